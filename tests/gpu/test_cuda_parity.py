@@ -1,0 +1,58 @@
+"""CUDA checks, run on the GPU machine (`pytest -m gpu`): bf16 compiled vs eager, grouped GEMM."""
+
+import pytest
+import torch
+
+from titan_moe.model.args import get_flavor
+from titan_moe.model.model import TitanMoE
+from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+BF16_RTOL = 3e-2  # relative to each tensor's largest magnitude
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def test_debug_model_bf16_compiled_matches_eager_on_cuda():
+    torch.manual_seed(0)
+    model = TitanMoE(get_flavor("debug")).cuda()
+    model.init_weights()
+    model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 256), device="cuda")
+    doc_ids = torch.cat([torch.zeros(2, 100), torch.ones(2, 156)], 1).int().cuda()
+    eager = model(tokens, doc_ids)
+    eager.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    out = torch.compile(model, fullgraph=True)(tokens, doc_ids)
+    out.float().square().mean().backward()
+    assert _rel(out, eager) < BF16_RTOL
+    # Routed-expert gradients are compared as one vector: in bf16 a token whose top-k scores
+    # nearly tie can switch experts between eager and compiled (seen on the H200: one expert's
+    # w1 gradient differed by 18% while the outputs agreed), so per-expert tensors are not a
+    # fair comparison; every other parameter is compared tensor by tensor.
+    experts = [n for n in grads if ".ffn.experts." in n]
+    got = torch.cat([dict(model.named_parameters())[n].grad.float().flatten() for n in experts])
+    want = torch.cat([grads[n].float().flatten() for n in experts])
+    assert float((got - want).norm() / want.norm()) < 5 * BF16_RTOL
+    for n, p in model.named_parameters():
+        if n in grads and n not in experts and grads[n].abs().max() > 0:
+            assert _rel(p.grad, grads[n]) < 5 * BF16_RTOL, n
+
+
+def test_grouped_mm_bf16_matches_reference():
+    torch.manual_seed(1)
+    e, m, k, n = 8, 1000, 256, 384
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16)
+    sizes = torch.tensor([0, 300, 1, 99, 0, 400, 150, 50])
+    offs = sizes.cumsum(0).to(torch.int32).cuda()
+    out = grouped_mm(x, w, offs)
+    ref = grouped_mm_reference(x.float(), w.float(), offs)
+    assert _rel(out, ref) < 1e-2

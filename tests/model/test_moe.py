@@ -1,0 +1,187 @@
+import math
+
+import pytest
+import torch
+
+from titan_moe.model.moe import LatentMoE
+from titan_moe.model.router import Router, topk_lowest_index_on_ties
+from titan_moe.ops.grouped_mm import grouped_mm
+
+FLOAT64_TOL = 1e-10
+COMPILE_TOL = 1e-5
+BETA1, BETA2 = 4.0, 25.0
+
+
+def _naive_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=x.dtype)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        for m in range(start, end):
+            out[m] = x[m] @ w[e]
+        start = end
+    return out
+
+
+def test_grouped_mm_fallback_matches_loop_with_empty_groups_and_padding():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 5, generator=gen, dtype=torch.float64)
+    w = torch.randn(4, 5, 3, generator=gen, dtype=torch.float64)
+    offs = torch.tensor([3, 3, 8, 10], dtype=torch.int32)  # group 1 empty, rows 10..12 padding
+    out = grouped_mm(x, w, offs)
+    torch.testing.assert_close(out, _naive_grouped_mm(x, w, offs), rtol=0, atol=1e-13)
+    assert out[10:].abs().max().item() == 0.0
+    x.requires_grad_()
+    w.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: grouped_mm(x, w, offs), (x, w))
+
+
+def _naive_topk(row: list[float], k: int) -> list[int]:
+    return sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_breaks_ties_towards_lower_index(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(1)
+    # Few distinct levels, both zeros and negatives, so most rows are full of ties.
+    levels = torch.tensor([-2.5, -1e-30, -0.0, 0.0, 1e-30, 0.75, 0.75 + 2**-20, 3.0])
+    values = levels[torch.randint(len(levels), (64, 11), generator=gen)].to(dtype)
+    top_values, ids = topk_lowest_index_on_ties(values, 5)
+    for row, row_ids, row_values in zip(values.tolist(), ids.tolist(), top_values, strict=True):
+        assert row_ids == _naive_topk(row, 5)
+        assert row_values.tolist() == [row[e] for e in row_ids]
+
+
+def test_router_weights_renormalise_unbiased_scores():
+    torch.manual_seed(2)
+    router = Router(dim=8, n_experts=6, top_k=3, route_scale=2.5).double()
+    router.init_weights(init_std=0.5)
+    router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1, -0.4, 0.25]))
+    x = torch.randn(20, 8, dtype=torch.float64)
+    ids, weights = router(x)
+    scores = torch.sigmoid(x @ router.weight.T)
+    for t in range(20):
+        chosen = _naive_topk((scores[t] + router.expert_bias).tolist(), 3)
+        assert ids[t].tolist() == chosen
+        expected = scores[t, chosen] / scores[t, chosen].sum() * 2.5
+        torch.testing.assert_close(weights[t], expected, rtol=0, atol=1e-14)
+
+
+def _situ_glu_formula(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return BETA1 * torch.tanh(a / BETA1) * torch.sigmoid(a) * BETA2 * torch.tanh(b / BETA2)
+
+
+def _naive_latent_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert, straight from the spec §5 equations."""
+    router, experts = moe.router, moe.experts
+    x_flat = x.reshape(-1, x.shape[-1])
+    rows = []
+    for x_t in x_flat:
+        s = torch.sigmoid(router.weight @ x_t)
+        chosen = _naive_topk((s.detach() + router.expert_bias).tolist(), moe.top_k)
+        z = moe.w_down.weight @ x_t
+        u = torch.zeros_like(z)
+        for e in chosen:
+            h = _situ_glu_formula(z @ experts.w1[e], z @ experts.w3[e])
+            p_e = s[e] / sum(s[j] for j in chosen) * router.route_scale
+            u = u + p_e * (h @ experts.w2[e])
+        normed = u / torch.sqrt(u.square().mean() + moe.norm.eps) * moe.norm.weight
+        y = moe.w_up.weight @ normed
+        if moe.shared is not None:
+            shared = moe.shared
+            h = _situ_glu_formula(shared.w1.weight @ x_t, shared.w3.weight @ x_t)
+            y = y + shared.w2.weight @ h
+        rows.append(y)
+    return torch.stack(rows).view_as(x)
+
+
+def _small_moe(n_shared: int, seed: int, dtype: torch.dtype = torch.float64) -> LatentMoE:
+    torch.manual_seed(seed)
+    moe = LatentMoE(
+        dim=12,
+        n_experts=6,
+        top_k=2,
+        n_shared=n_shared,
+        latent_dim=8,
+        expert_hidden=10,
+        shared_hidden=7,
+        route_scale=1.7,
+    )
+    moe.init_weights(init_std=0.4, out_init_std=0.3)
+    moe = moe.to(dtype)
+    with torch.no_grad():
+        moe.norm.weight.copy_(torch.rand(8) + 0.5)
+        moe.router.expert_bias.copy_(torch.randn(6) * 0.2)
+    return moe
+
+
+@pytest.mark.parametrize("n_shared", [2, 0])
+def test_latent_moe_matches_naive_loop_float64(n_shared: int):
+    moe = _small_moe(n_shared, seed=3)
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad_out = torch.randn(2, 5, 12, dtype=torch.float64)
+
+    out = moe(x)
+    (out * grad_out).sum().backward()
+    grads = {name: p.grad.clone() for name, p in moe.named_parameters()}
+    moe.zero_grad()
+    expected = _naive_latent_moe(moe, x_ref)
+    (expected * grad_out).sum().backward()
+
+    assert (out - expected).abs().max().item() <= FLOAT64_TOL
+    assert (x.grad - x_ref.grad).abs().max().item() <= FLOAT64_TOL
+    for name, p in moe.named_parameters():
+        assert p.grad.abs().max().item() > 0, name
+        assert (grads[name] - p.grad).abs().max().item() <= FLOAT64_TOL, name
+    # The bias must have changed some selections, or the check above would not cover it.
+    scores = torch.sigmoid(x.detach().view(-1, 12) @ moe.router.weight.T)
+    unbiased = scores.topk(2).indices.sort().values
+    biased = (scores + moe.router.expert_bias).topk(2).indices.sort().values
+    assert not torch.equal(unbiased, biased)
+
+
+def test_valid_mask_does_not_change_output():
+    moe = _small_moe(n_shared=1, seed=4)
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    assert torch.equal(moe(x), moe(x, valid))
+
+
+def test_init_weights_initialises_every_expert():
+    torch.manual_seed(5)
+    init_std, out_init_std = 0.02, 0.01
+    moe = LatentMoE(
+        dim=64, n_experts=8, top_k=2, n_shared=1, latent_dim=32, expert_hidden=48, shared_hidden=40
+    )
+    for p in moe.parameters():
+        p.data.fill_(float("nan"))
+    moe.router.expert_bias.fill_(1.0)
+    moe.init_weights(init_std, out_init_std)
+    for w, std in (
+        (moe.experts.w1, init_std),
+        (moe.experts.w3, init_std),
+        (moe.experts.w2, out_init_std),
+    ):
+        for e in range(8):
+            expert = w[e]
+            assert torch.isfinite(expert).all()
+            # ±3σ truncation and 1.5k samples: 15% covers it.
+            assert math.isclose(expert.std().item(), std, rel_tol=0.15)
+            for other in range(e):
+                assert not torch.equal(expert, w[other])
+    assert all(torch.isfinite(p).all() for p in moe.parameters())
+    assert moe.router.weight.abs().max().item() > 0
+    assert torch.equal(moe.norm.weight, torch.ones(32))
+    assert torch.equal(moe.router.expert_bias, torch.zeros(8))
+
+
+def test_compiled_matches_eager_float32():
+    moe = _small_moe(n_shared=1, seed=6, dtype=torch.float32)
+    x = torch.randn(2, 6, 12)
+    eager = moe(x)
+    eager_hist = moe.router.qb_hist.clone()
+    moe.router.reset_qb_stats()
+    compiled = torch.compile(moe, fullgraph=True)(x)
+    assert (compiled - eager).abs().max().item() <= COMPILE_TOL
+    # The compiled forward still feeds Quantile Balancing.
+    assert torch.equal(moe.router.qb_hist, eager_hist)

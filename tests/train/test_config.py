@@ -1,0 +1,180 @@
+"""Config parsing: the [titan_moe] override section and one clear error per bad input."""
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_moe.config import (
+    ConfigError,
+    model_overrides,
+    parse_job_config,
+    parse_job_config_or_exit,
+)
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK
+from titan_moe.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("NGPU", "1")
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def error_of(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_job_config(argv)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_overrides_section_has_every_model_arg_field():
+    config = parse_job_config([])
+    expected = {f.name for f in dataclasses.fields(TitanMoEArgs) if not f.name.startswith("_")}
+    assert {f.name for f in dataclasses.fields(config.titan_moe)} == expected
+    assert model_overrides(config) == {}
+    assert (config.model.name, config.model.flavor) == ("titan_moe", "debug")
+
+
+def test_cli_override_beats_toml_override(tmp_path):
+    toml = write_toml(tmp_path, "[titan_moe]\nn_layers = 10\nkda_g_min = -4.0\n")
+    config = parse_job_config(["--job.config_file", toml, "--titan_moe.n_layers", "12"])
+    assert model_overrides(config) == {"n_layers": 12, "kda_g_min": -4.0}
+    tuple_override = parse_job_config(["--titan_moe.mla_layers", "2", "4"])
+    assert tuple(model_overrides(tuple_override)["mla_layers"]) == (2, 4)
+
+
+def test_bool_flags_parse():
+    config = parse_job_config(["--metrics.enable_tensorboard", "--training.no-gc-debug"])
+    assert config.metrics.enable_tensorboard is True and config.training.gc_debug is False
+
+
+def test_value_after_a_flag_is_rejected():
+    message = error_of(["--checkpoint.last_save_model_only", "false"])
+    assert message == (
+        "unexpected argument 'false'; --checkpoint.last_save_model_only is a flag: "
+        "write --checkpoint.last_save_model_only or --checkpoint.no_last_save_model_only"
+    )
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    assert error_of(["--job.config_file", missing]) == f"config file not found: {missing}"
+
+
+def test_unknown_toml_key_lists_allowed_keys(tmp_path):
+    message = error_of(["--job.config_file", write_toml(tmp_path, "[training]\nstepz = 3\n")])
+    assert "'training.stepz'" in message
+    assert "allowed keys of [training]:" in message and "seq_len" in message and "steps" in message
+
+
+def test_unknown_toml_section_lists_sections(tmp_path):
+    message = error_of(["--job.config_file", write_toml(tmp_path, "[trainin]\nsteps = 3\n")])
+    assert "[trainin]" in message and "titan_moe" in message and "training" in message
+
+
+def test_unknown_cli_key_lists_allowed_keys():
+    message = error_of(["--titan_moe.n_layer", "4"])
+    assert message.startswith("unknown key '--titan_moe.n_layer'; allowed keys of [titan_moe]: ")
+    assert "n_layers" in message and "top_k" in message
+    assert error_of(["--trainin.steps", "4"]).startswith(
+        "unknown key '--trainin.steps'; allowed sections: job, profiling"
+    )
+
+
+def test_wrong_types_name_field_expected_and_got(tmp_path):
+    toml = write_toml(tmp_path, '[training]\nsteps = "abc"\n')
+    wrong_steps = "training.steps: expected int, got 'abc'"
+    assert error_of(["--job.config_file", toml]).startswith(wrong_steps)
+    assert error_of(["--training.steps", "abc"]).startswith(wrong_steps)
+    assert error_of(["--titan_moe.n_layers", "four"]).startswith(
+        "titan_moe.n_layers: expected int or None, got 'four'"
+    )
+    assert error_of(["--training.dtype", "float64"]).startswith(
+        "training.dtype: expected one of 'bfloat16', 'float32', got 'float64'"
+    )
+
+
+def test_seq_len_must_be_a_multiple_of_the_kda_chunk():
+    message = error_of(["--training.seq_len", str(KDA_CHUNK + 36)])
+    assert message.startswith("training.seq_len must be a positive multiple of the KDA chunk (64)")
+    parse_job_config(["--training.seq_len", str(2 * KDA_CHUNK)])
+
+
+def test_profiler_schedule_must_fit():
+    message = error_of(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
+    window = "profiler_warmup + profiler_active = 4"
+    assert message == f"profiling.profile_freq must be >= {window}, got 2"
+
+
+def test_model_arg_validation_surfaces_as_config_error():
+    assert "titan_moe.top_k" in error_of(["--titan_moe.top_k", "16"])
+
+
+def test_more_processes_than_cpu_cap(monkeypatch):
+    cap, cpu = 2 * os.cpu_count(), ["--training.device", "cpu"]
+    monkeypatch.setenv("NGPU", str(cap))
+    parse_job_config(cpu)
+    monkeypatch.setenv("NGPU", str(cap + 1))
+    assert error_of(cpu).startswith(f"NGPU={cap + 1} processes on CPU exceeds the cap of {cap}")
+
+
+def test_more_processes_than_cuda_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert error_of([]) == "NGPU=2 processes but only 1 CUDA device(s) visible"
+
+
+def test_cuda_requested_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA device" in error_of(["--training.device", "cuda"])
+
+
+def test_or_exit_prints_one_line_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_job_config_or_exit(["--training.stepz", "3"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: unknown key '--training.stepz'")
+
+
+def test_run_train_sh_errors_are_one_line(tmp_path):
+    env = {**os.environ, "CONFIG_FILE": str(tmp_path / "missing.toml")}
+    missing = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines() == [
+        f"error: config file not found: {tmp_path / 'missing.toml'} "
+        "(set CONFIG_FILE=configs/<name>.toml)"
+    ]
+    env["CONFIG_FILE"] = write_toml(tmp_path, "[training]\nsteps = 2\n")
+    bad_key = subprocess.run(
+        ["./run_train.sh", "--training.seq_len", "100"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert bad_key.returncode == 2
+    assert bad_key.stderr.splitlines() == [
+        "error: training.seq_len must be a positive multiple of the KDA chunk (64), got 100"
+    ], bad_key.stderr
+
+
+def test_train_entrypoint_exits_2_on_bad_type(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as under torchrun: no single-process env set-up
+    with pytest.raises(SystemExit) as info:
+        main(["--training.steps", "many"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: training.steps: expected int, got 'many' (--training.steps)"
+    ]

@@ -1,0 +1,410 @@
+"""The titan_moe job config: torchtitan's JobConfig plus our sections, validated at the boundary.
+
+    JobConfig = torchtitan JobConfig
+              + training.device   "auto" | "cpu" | "cuda"
+              + [titan_moe]       one `T | None = None` field per model-arg field of the flavor
+    model args = FLAVORS[model.flavor] with every non-None titan_moe.<field> substituted
+                 (the model args' `update_from_config` applies them)
+
+Precedence is torchtitan's: CLI (`--titan_moe.n_layers 4`) > TOML (`[titan_moe] n_layers = 4`)
+> flavor. Every bad input raises one `ConfigError` whose message is a single line naming the
+offending key; `parse_job_config_or_exit` prints it and exits 2. Checked here: the config file
+exists and parses, sections and keys exist (the message lists the allowed keys), values have the
+field's type, `training.seq_len` is a multiple of the KDA chunk, the model args accept the
+overrides, the profiler schedule fits, and the processes per node fit the devices.
+Run `python -m titan_moe.config --job.config_file F [--section.key value ...]` to check only.
+"""
+
+import copy
+import dataclasses
+import importlib
+import os
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field, make_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torchtitan.config as tt_config
+from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import get_train_spec
+
+from titan_moe.model.args import ConfigError
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+
+MODEL_NAME = "titan_moe"
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+# gloo ranks beyond two per core only oversubscribe the machine.
+CPU_PROCESSES_PER_CORE = 2
+_NONE_TOKEN = "None"
+
+
+
+
+@dataclass
+class Model(tt_config.Model):
+    name: str = MODEL_NAME
+    """Train spec to run: "titan_moe", or any torchtitan-registered spec."""
+    flavor: str = "debug"
+    """Model flavor: debug | proxy | full for titan_moe."""
+    hf_assets_path: str = str(ASSETS_DIR)
+    """Folder of tokenizer/model assets; ours ship in the package."""
+
+
+@dataclass
+class Training(tt_config.Training):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: CUDA + nccl, CPU + gloo, or auto (CUDA when one is visible)."""
+    dataset_text_field: str = "text"
+    """The document field of .jsonl / .parquet data."""
+    shuffle_windows: int = 0
+    """Packed windows held in a seeded shuffle buffer (0: keep the corpus order)."""
+
+
+def model_args_class(model_name: str) -> type:
+    """The model-args dataclass of a train spec (ours is imported lazily)."""
+    if model_name == MODEL_NAME:
+        from titan_moe.model.args import TitanMoEArgs
+
+        return TitanMoEArgs
+    return type(next(iter(_train_spec(model_name).model_args.values())))
+
+
+def model_flavors(model_name: str) -> dict[str, Any]:
+    """The flavor name -> model args mapping of a train spec."""
+    if model_name == MODEL_NAME:
+        from titan_moe.model.args import FLAVORS
+
+        return FLAVORS
+    return dict(_train_spec(model_name).model_args)
+
+
+def _train_spec(model_name: str):
+    try:
+        return get_train_spec(model_name)
+    except ValueError as e:
+        raise ConfigError(f"model.name {model_name!r} is not a registered train spec") from e
+
+
+def overrides_section(args_cls: type) -> type:
+    """A dataclass with one `T | None = None` field for every overridable field of args_cls."""
+    hints = typing.get_type_hints(args_cls)
+    entries = [
+        (f.name, hints[f.name] | None, field(default=None))
+        for f in dataclasses.fields(args_cls)
+        if f.init and not f.name.startswith("_") and _is_simple(hints[f.name])
+    ]
+    return make_dataclass("TitanMoEOverrides", entries)
+
+
+def job_config_class(args_cls: type) -> type:
+    """torchtitan's JobConfig with our model defaults, `training.device` and `[titan_moe]`."""
+    section = overrides_section(args_cls)
+    return make_dataclass(
+        "TitanMoEJobConfig",
+        [
+            ("model", Model, field(default_factory=Model)),
+            ("training", Training, field(default_factory=Training)),
+            (MODEL_NAME, section, field(default_factory=section)),
+        ],
+        bases=(tt_config.JobConfig,),
+    )
+
+
+def model_overrides(job_config: Any) -> dict[str, Any]:
+    """The `[titan_moe]` fields that were set (non-None)."""
+    section = getattr(job_config, MODEL_NAME)
+    return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+
+
+def parse_job_config(argv: Sequence[str]) -> Any:
+    """Validate and parse `--job.config_file F --section.key value ...` into a JobConfig."""
+    argv = list(argv)
+    toml_values, source = _load_toml(argv)
+    custom_import = _lookup(argv, toml_values, "experimental", "custom_import", "")
+    if custom_import:
+        try:
+            importlib.import_module(custom_import)
+        except ImportError as e:
+            raise ConfigError(
+                f"experimental.custom_import: cannot import {custom_import!r}: {e}"
+            ) from None
+    model_name = _lookup(argv, toml_values, "model", "name", MODEL_NAME)
+    config_cls = job_config_class(model_args_class(model_name))
+    _check_toml(config_cls, toml_values, source)
+    _check_cli(config_cls, argv)
+    job_config = ConfigManager(config_cls).parse_args(argv)
+    _check_semantics(job_config)
+    return job_config
+
+
+def parse_job_config_or_exit(argv: Sequence[str]) -> Any:
+    """parse_job_config, but a ConfigError becomes one `error:` line on stderr and exit 2."""
+    try:
+        return parse_job_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _load_toml(argv: list[str]) -> tuple[dict[str, Any], str]:
+    path = None
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if not eq and i + 1 == len(argv):
+                raise ConfigError(f"{key} needs a path")
+            path = value if eq else argv[i + 1]
+    if path is None:
+        return {}, "defaults"
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f), path
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _lookup(argv: list[str], toml_values: dict[str, Any], section: str, key: str, default: str):
+    """A string option as tyro will see it (CLI over TOML), read before the schema is known."""
+    table = toml_values.get(section)
+    value = table.get(key, default) if isinstance(table, dict) else default
+    names = {f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}"}
+    for i, arg in enumerate(argv):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else value)
+    return value
+
+
+def _allowed(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def _check_toml(cls: type, values: dict[str, Any], source: str, path: str = "") -> None:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        where = f"{path}.{key}" if path else key
+        if key not in names:
+            what = f"key '{where}'" if path else f"section [{key}]"
+            scope = f"keys of [{path}]" if path else "sections"
+            raise ConfigError(f"unknown {what} in {source}; allowed {scope}: {_allowed(cls)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where} in {source} must be a [{where}] table")
+            _check_toml(hint, value, source, where)
+        elif not _toml_value_ok(hint, value):
+            raise ConfigError(
+                f"{where}: expected {_type_name(hint)}, got {value!r} ({source})"
+            )
+
+
+def _check_cli(cls: type, argv: list[str]) -> None:
+    flag = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            continue
+        if not arg.startswith("--"):
+            advice = f"; --{flag} is a flag: write --{flag} or --{_no(flag)}" if flag else ""
+            raise ConfigError(f"unexpected argument {arg!r}{advice}")
+        name, eq, inline = arg[2:].partition("=")
+        path, hint = _resolve(cls, name.replace("-", "_"))
+        if hint is bool or hint is None:
+            flag = path  # `--a.b` or `--a.no_b`: takes no value
+            continue
+        flag = None
+        values = [inline] if eq else []
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if not _cli_values_ok(hint, values):
+            got = " ".join(values) if values else "no value"
+            raise ConfigError(f"{path}: expected {_type_name(hint)}, got {got!r} (--{name})")
+
+
+def _no(path: str) -> str:
+    section, _, key = path.rpartition(".")
+    return f"{section}.no_{key}" if section else f"no_{key}"
+
+
+def _resolve(cls: type, dotted: str) -> tuple[str, Any]:
+    """(canonical path, field type) of a CLI key; (path, None) for a `no_` flag of a bool."""
+    parts = dotted.split(".")
+    node, done = cls, []
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            break
+        hints = typing.get_type_hints(node)
+        last = depth == len(parts) - 1
+        if part not in hints and last and part.startswith("no_") and hints.get(part[3:]) is bool:
+            return ".".join([*done, part[3:]]), None
+        if part not in hints:
+            where = f"keys of [{'.'.join(done)}]" if done else "sections"
+            allowed = _allowed(node)
+            raise ConfigError(f"unknown key '--{dotted}'; allowed {where}: {allowed}")
+        node = hints[part]
+        done.append(part)
+    if dataclasses.is_dataclass(node) or len(done) != len(parts):
+        raise ConfigError(f"'--{dotted}' is not a config key; name a field, e.g. --training.steps")
+    return ".".join(done), node
+
+
+def _check_semantics(job_config: Any) -> None:
+    from titan_moe.platform import resolve_device_type
+
+    try:
+        device_type = resolve_device_type(job_config.training.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_processes = _check_process_count(device_type)
+    checkpoint = job_config.checkpoint
+    if checkpoint.create_seed_checkpoint and (n_processes != 1 or not checkpoint.enable):
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint needs NGPU=1 and checkpoint.enable = true"
+        )
+    _check_profiling(job_config.profiling, device_type)
+    flavor_args = _flavor_args(job_config)
+    seq_lens = [("training.seq_len", job_config.training.seq_len)]
+    if job_config.validation.enable:
+        seq_lens.append(("validation.seq_len", job_config.validation.seq_len))
+    for name, seq_len in seq_lens:
+        if seq_len <= 0 or seq_len % KDA_CHUNK_SIZE:
+            raise ConfigError(
+                f"{name} must be a positive multiple of the KDA chunk ({KDA_CHUNK_SIZE}), "
+                f"got {seq_len}"
+            )
+    try:
+        flavor_args.update_from_config(job_config)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("\n", " ")) from None
+
+
+def _check_profiling(profiling: tt_config.Profiling, device_type: str) -> None:
+    window = profiling.profiler_warmup + profiling.profiler_active
+    if profiling.enable_profiling and profiling.profile_freq < window:
+        raise ConfigError(
+            f"profiling.profile_freq must be >= profiler_warmup + profiler_active = {window}, "
+            f"got {profiling.profile_freq}"
+        )
+    if profiling.enable_memory_snapshot and device_type != "cuda":
+        raise ConfigError(
+            "profiling.enable_memory_snapshot records the CUDA allocator and needs CUDA; "
+            "on CPU use profiling.enable_profiling"
+        )
+
+
+def _flavor_args(job_config: Any) -> Any:
+    """A copy of the flavor's model args, so checking the overrides changes nothing."""
+    flavors = model_flavors(job_config.model.name)
+    flavor = job_config.model.flavor
+    if flavor not in flavors:
+        raise ConfigError(f"model.flavor {flavor!r} is unknown; allowed: {', '.join(flavors)}")
+    return copy.deepcopy(flavors[flavor])
+
+
+def _check_process_count(device_type: str) -> int:
+    raw = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NGPU", "1"))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ConfigError(f"NGPU must be a positive integer, got {raw!r}") from None
+    if n < 1:
+        raise ConfigError(f"NGPU must be a positive integer, got {n}")
+    if device_type == "cuda":
+        if n > torch.cuda.device_count():
+            raise ConfigError(
+                f"NGPU={n} processes but only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    else:
+        cap = CPU_PROCESSES_PER_CORE * (os.cpu_count() or 1)
+        if n > cap:
+            raise ConfigError(
+                f"NGPU={n} processes on CPU exceeds the cap of {cap} "
+                f"({CPU_PROCESSES_PER_CORE} per core x {os.cpu_count()} cores)"
+            )
+    return n
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _is_simple(hint: Any) -> bool:
+    """Types this module can check and tyro parses from one CLI key."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _SCALARS or origin is Literal:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return all(a is type(None) or _is_simple(a) for a in args)
+    if origin in (list, tuple):
+        inner = [a for a in args if a is not Ellipsis]
+        return len(inner) == 1 and inner[0] in _SCALARS
+    return False
+
+
+def _toml_value_ok(hint: Any, value: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is Literal:
+        return value in args
+    if origin in (types.UnionType, typing.Union):
+        return any(_toml_value_ok(a, value) for a in args if a is not type(None))
+    if origin in (list, tuple):
+        inner = [a for a in args if a is not Ellipsis]
+        return isinstance(value, list) and all(_toml_value_ok(inner[0], v) for v in value)
+    return True  # a type only tyro knows; it validates it
+
+
+def _cli_values_ok(hint: Any, values: list[str]) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if values == [_NONE_TOKEN] and type(None) in args:
+            return True
+        return any(_cli_values_ok(a, values) for a in args if a is not type(None))
+    if origin in (list, tuple):
+        if hint == list[str]:
+            return len(values) == 1  # torchtitan parses list[str] as one "a,b,c" token
+        inner = [a for a in args if a is not Ellipsis]
+        return len(inner) != 1 or all(_cli_values_ok(inner[0], [v]) for v in values)
+    if len(values) != 1:
+        return False
+    if origin is Literal:
+        return values[0] in [str(a) for a in args]
+    if hint in (int, float):
+        try:
+            hint(values[0])
+        except ValueError:
+            return False
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin in (list, tuple):
+        inner = [a for a in args if a is not Ellipsis]
+        return f"a list of {_type_name(inner[0])}" if len(inner) == 1 else str(hint)
+    return getattr(hint, "__name__", str(hint))
+
+
+if __name__ == "__main__":
+    parse_job_config_or_exit(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Real-text data: corpus reading, document packing and the torchtitan dataloader."""

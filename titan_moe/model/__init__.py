@@ -1,0 +1,1 @@
+"""The K3-class decoder: args, layers and the model."""

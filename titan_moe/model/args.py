@@ -1,0 +1,191 @@
+"""Model arguments and the three flavors of spec §9 (debug, proxy, full).
+
+Every field can be overridden from the TOML `[titan_moe]` section; `validate()` runs at the
+boundary and raises one `ConfigError` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torchtitan.protocols.model import BaseModelArgs
+
+
+class ConfigError(ValueError):
+    """An inconsistent or unsupported configuration; the message names the field."""
+
+
+@dataclass
+class TitanMoEArgs(BaseModelArgs):
+    vocab_size: int = 4096
+    dim: int = 256
+    n_layers: int = 8
+    # 1-based indices of the Gated-MLA layers; every other layer is KDA.
+    mla_layers: tuple[int, ...] = (4, 8)
+    n_dense_layers: int = 1
+    dense_hidden: int = 1024
+    norm_eps: float = 1e-5
+
+    # Block AttnRes (spec §2).
+    attn_res_block_size: int = 2
+    attn_res_eps: float = 1e-6
+
+    # KDA (spec §3): d_k = d_v = head_dim.
+    n_heads: int = 2
+    head_dim: int = 128
+    kda_dim: int | None = None  # optional cross-check: must equal n_heads * head_dim
+    kda_gate_rank: int = 128
+    kda_conv_size: int = 4
+    kda_g_min: float = -5.0
+
+    # Gated MLA with NoPE (spec §4).
+    mla_n_heads: int = 2
+    q_lora_rank: int = 128
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    qk_head_dim: int | None = None  # optional cross-check: nope + rope
+    v_head_dim: int = 128
+
+    # Stable LatentMoE (spec §5) and Quantile Balancing (spec §6).
+    n_experts: int = 16
+    top_k: int = 2
+    n_shared_experts: int = 1
+    shared_hidden: int = 256
+    latent_dim: int = 128
+    expert_hidden: int = 256
+    route_scale: float = 1.0
+    qb_bins: int = 1000
+    situ_beta1: float = 4.0
+    situ_beta2: float = 25.0
+
+    init_std: float = 0.02
+    max_seq_len: int = 8192
+
+    def validate(self) -> TitanMoEArgs:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(f"titan_moe.{name} = {getattr(self, name)!r}: {allowed}")
+
+        for name in (
+            "vocab_size", "dim", "n_layers", "dense_hidden", "attn_res_block_size",
+            "n_heads", "head_dim", "kda_gate_rank", "kda_conv_size",
+            "mla_n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+            "n_experts", "top_k", "latent_dim", "expert_hidden", "qb_bins",
+        ):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, name, "must be a positive integer")
+        need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
+        need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+        need(0 <= self.n_dense_layers <= self.n_layers, "n_dense_layers",
+             f"must be in [0, n_layers={self.n_layers}]")
+        need(self.kda_dim is None or self.kda_dim == self.n_heads * self.head_dim, "kda_dim",
+             f"must equal n_heads·head_dim = {self.n_heads}·{self.head_dim} = "
+             f"{self.n_heads * self.head_dim} (or be left unset)")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        need(self.qk_head_dim is None or self.qk_head_dim == qk, "qk_head_dim",
+             f"must equal qk_nope_head_dim + qk_rope_head_dim = {qk} (or be left unset)")
+        need(self.head_dim % 16 == 0, "head_dim",
+             "must be a multiple of 16 (the KDA kernels' 16-token tiles)")
+        need(self.kda_g_min < 0, "kda_g_min", "must be < 0 (the decay's lower bound, spec: -5)")
+        need(self.kda_g_min >= -5.0, "kda_g_min",
+             "must be >= -5: the 16-token diagonal tiles are only safe for g >= -5 (spec §3)")
+        need(self.top_k <= self.n_experts, "top_k",
+             f"must be <= n_experts = {self.n_experts}")
+        need(self.top_k < self.n_experts, "top_k",
+             f"must be < n_experts = {self.n_experts}: Quantile Balancing needs the (k+1)-th score")
+        need(self.n_shared_experts == 0 or self.shared_hidden > 0, "shared_hidden",
+             "must be positive when n_shared_experts > 0")
+        need(self.route_scale > 0, "route_scale", "must be > 0")
+        need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "situ_beta1",
+             "situ_beta1 and situ_beta2 must be > 0")
+        mla = tuple(self.mla_layers)
+        need(all(isinstance(i, int) and 1 <= i <= self.n_layers for i in mla), "mla_layers",
+             f"must be 1-based layer indices in [1, n_layers={self.n_layers}]")
+        need(len(set(mla)) == len(mla), "mla_layers", "must not repeat a layer")
+        self.mla_layers = mla
+        return self
+
+    # The schedule, 0-based.
+    def is_mla(self, layer_id: int) -> bool:
+        return (layer_id + 1) in self.mla_layers
+
+    def is_moe(self, layer_id: int) -> bool:
+        return layer_id >= self.n_dense_layers
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        overrides = getattr(job_config, "titan_moe", None)
+        if overrides is not None:
+            apply_overrides(self, dataclasses.asdict(overrides) if dataclasses.is_dataclass(
+                overrides) else dict(overrides))
+        self.max_seq_len = job_config.training.seq_len
+        self.vocab_size = kwargs.get("vocab_size", self.vocab_size)
+        self.validate()
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        from titan_moe.model.flops import count_params, flops_per_token
+
+        return count_params(model, self).total, flops_per_token(self, seq_len)
+
+
+def apply_overrides(args: TitanMoEArgs, overrides: dict) -> TitanMoEArgs:
+    """Set fields from a mapping, rejecting unknown names and wrong types with one clear error."""
+    fields = {f.name: f for f in dataclasses.fields(args) if not f.name.startswith("_")}
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"titan_moe.{name}: unknown field; allowed: {allowed}")
+        if name == "mla_layers" and isinstance(value, (list, tuple)):
+            value = tuple(value)
+        elif not _type_matches(value, fields[name].type):
+            raise ConfigError(
+                f"titan_moe.{name} = {value!r}: expected {fields[name].type}, "
+                f"got {type(value).__name__}"
+            )
+        setattr(args, name, value)
+    return args.validate()
+
+
+def _type_matches(value: object, annotation: str) -> bool:
+    if isinstance(value, bool):
+        return annotation == "bool"
+    if isinstance(value, int):
+        return annotation.startswith("int") or annotation == "float"
+    if isinstance(value, float):
+        return annotation == "float"
+    return False
+
+
+def _every_fourth_and_last(n_layers: int) -> tuple[int, ...]:
+    return tuple(sorted(set(range(4, n_layers + 1, 4)) | {n_layers}))
+
+
+FLAVORS: dict[str, TitanMoEArgs] = {
+    "debug": TitanMoEArgs(),
+    "proxy": TitanMoEArgs(
+        vocab_size=32768, dim=2048, n_layers=16, mla_layers=(4, 8, 12, 16),
+        dense_hidden=8192, attn_res_block_size=2,
+        n_heads=16, head_dim=128,
+        mla_n_heads=16, q_lora_rank=512, kv_lora_rank=256,
+        n_experts=64, top_k=8, n_shared_experts=2, shared_hidden=768,
+        latent_dim=1024, expert_hidden=768,
+    ),
+    "full": TitanMoEArgs(
+        vocab_size=163840, dim=7168, n_layers=93, mla_layers=_every_fourth_and_last(93),
+        dense_hidden=33792, attn_res_block_size=12,
+        n_heads=96, head_dim=128,
+        mla_n_heads=96, q_lora_rank=1536, kv_lora_rank=512,
+        n_experts=896, top_k=16, n_shared_experts=2, shared_hidden=3072,
+        latent_dim=3584, expert_hidden=3072, max_seq_len=1 << 20,
+    ),
+}
+
+
+def get_flavor(name: str) -> TitanMoEArgs:
+    if name not in FLAVORS:
+        raise ConfigError(f"model.flavor = {name!r}: unknown flavor; allowed: {sorted(FLAVORS)}")
+    return dataclasses.replace(FLAVORS[name]).validate()

@@ -1,0 +1,98 @@
+"""Kimi Delta Attention layer (spec §3).
+
+    q̃, k̃, ṽ = SiLU(CausalConv_4(W_q x)), SiLU(CausalConv_4(W_k x)), SiLU(CausalConv_4(W_v x))
+    q = L2norm(q̃) (the op applies d_k^-1/2),  k = L2norm(k̃),  β = σ(W_β x)
+    g = g_min · σ(exp(A_log) · (W_f↑ W_f↓ x + dt_bias))        ∈ (g_min, 0], g_min = −5
+    S_t = Diag(e^{g_t}) S_{t−1} + β_t k_t (v_t − (Diag(e^{g_t}) S_{t−1})ᵀ k_t)ᵀ,  o_t = S_tᵀ q_t
+    y = W_o concat_h[σ(W_g x)_h ⊙ RMSNorm_{d_v}(o_h)]
+
+The convolution and the recurrence both restart at every document start given by `doc_ids`.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.ops.kda import chunk_kda, kda_gate
+
+
+def causal_depthwise_conv(
+    x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y_t = Σ_j weight[:, j] · x_{t−(K−1−j)}, taps from earlier documents (or before 0) dropped.
+
+    x: [B, T, C]; weight: [C, K] (the last tap is the current token); doc_ids: [B, T] or None.
+    """
+    k = weight.shape[-1]
+    t = x.shape[1]
+    padded = F.pad(x, (0, 0, k - 1, 0))
+    if doc_ids is not None:
+        doc_padded = F.pad(doc_ids, (k - 1, 0), value=-1)
+    out = torch.zeros_like(x)
+    for j in range(k):
+        tap = padded[:, j : j + t] * weight[:, j]
+        if doc_ids is not None:
+            tap = tap * (doc_padded[:, j : j + t] == doc_ids).unsqueeze(-1).to(x.dtype)
+        out = out + tap
+    return out
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, args: TitanMoEArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.head_dim = args.head_dim
+        self.g_min = args.kda_g_min
+        inner = args.n_heads * args.head_dim
+        self.w_q = nn.Linear(args.dim, inner, bias=False)
+        self.w_k = nn.Linear(args.dim, inner, bias=False)
+        self.w_v = nn.Linear(args.dim, inner, bias=False)
+        self.conv_q = nn.Parameter(torch.empty(inner, args.kda_conv_size))
+        self.conv_k = nn.Parameter(torch.empty(inner, args.kda_conv_size))
+        self.conv_v = nn.Parameter(torch.empty(inner, args.kda_conv_size))
+        self.w_f_down = nn.Linear(args.dim, args.kda_gate_rank, bias=False)
+        self.w_f_up = nn.Linear(args.kda_gate_rank, inner, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(args.n_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(inner, dtype=torch.float32))
+        self.w_beta = nn.Linear(args.dim, args.n_heads, bias=False)
+        self.w_g = nn.Linear(args.dim, inner, bias=False)
+        self.o_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.w_o = nn.Linear(inner, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        shape = (b, t, self.n_heads, self.head_dim)
+        q = F.silu(causal_depthwise_conv(self.w_q(x), self.conv_q, doc_ids)).view(shape)
+        k = F.silu(causal_depthwise_conv(self.w_k(x), self.conv_k, doc_ids)).view(shape)
+        v = F.silu(causal_depthwise_conv(self.w_v(x), self.conv_v, doc_ids)).view(shape)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
+        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
+        beta = torch.sigmoid(self.w_beta(x).to(wide))
+        g = kda_gate(self.w_f_up(self.w_f_down(x)).view(shape), self.A_log, self.dt_bias,
+                     self.g_min)
+        o, _ = chunk_kda(q, k, v, g, beta, doc_ids=doc_ids)
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
+        return self.w_o(o.reshape(b, t, -1))
+
+    def init_weights(self, init_std: float, out_init_std: float) -> None:
+        for lin in (self.w_q, self.w_k, self.w_v, self.w_f_down, self.w_f_up, self.w_beta,
+                    self.w_g):
+            nn.init.trunc_normal_(lin.weight, std=init_std)
+        nn.init.trunc_normal_(self.w_o.weight, std=out_init_std)
+        bound = 1.0 / math.sqrt(self.conv_q.shape[-1])
+        for conv in (self.conv_q, self.conv_k, self.conv_v):
+            nn.init.uniform_(conv, -bound, bound)
+        with torch.no_grad():
+            self.A_log.zero_()
+            self.dt_bias.copy_(inverse_softplus_log_uniform(self.dt_bias.shape, 1e-3, 1e-1))
+        self.o_norm.reset_parameters()
+
+
+def inverse_softplus_log_uniform(shape: torch.Size, low: float, high: float) -> torch.Tensor:
+    """dt ~ LogUniform[low, high], returned as softplus⁻¹(dt) = dt + log(−expm1(−dt))."""
+    dt = torch.exp(torch.empty(shape).uniform_(math.log(low), math.log(high)))
+    return dt + torch.log(-torch.expm1(-dt))

@@ -1,0 +1,104 @@
+"""The K3-class decoder (spec §1): KDA / Gated-MLA mixers, dense or LatentMoE FFNs, and Block
+AttnRes in place of every residual connection.
+
+    e = Embed(ids);  blocks, partial = [], e
+    for l in layers:
+        x = AttnRes_(l,mixer)(blocks + [partial])  if blocks else partial
+        if l % block_size == 0:  blocks.append(partial); partial = None
+        partial = (partial or 0) + Mixer_l(RMSNorm(x))
+        x = AttnRes_(l,ffn)(blocks + [partial])
+        partial = partial + FFN_l(RMSNorm(x))
+    logits = lm_head(RMSNorm(AttnRes_final(blocks + [partial])))
+
+There is no `x + f(x)`: the residual state is the pair (block stack, partial sum).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.model.attn_res import AttnResSite
+from titan_moe.model.kda import KimiDeltaAttention
+from titan_moe.model.mla import GatedMLA
+from titan_moe.model.moe import LatentMoE
+from titan_moe.model.situ_glu import SiTUGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer_id: int, args: TitanMoEArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.starts_block = layer_id % args.attn_res_block_size == 0
+        # Layer 0 reads the embedding directly: its mixer site would have one source only.
+        self.mixer_site = AttnResSite(args.dim, args.attn_res_eps) if layer_id > 0 else None
+        self.ffn_site = AttnResSite(args.dim, args.attn_res_eps)
+        self.mixer_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.mixer = GatedMLA(args) if args.is_mla(layer_id) else KimiDeltaAttention(args)
+        if args.is_moe(layer_id):
+            self.ffn = LatentMoE(
+                dim=args.dim, n_experts=args.n_experts, top_k=args.top_k,
+                n_shared=args.n_shared_experts, latent_dim=args.latent_dim,
+                expert_hidden=args.expert_hidden, shared_hidden=args.shared_hidden,
+                route_scale=args.route_scale, beta1=args.situ_beta1, beta2=args.situ_beta2,
+                norm_eps=args.norm_eps, n_bins=args.qb_bins, layer_id=layer_id,
+            )
+        else:
+            self.ffn = SiTUGLU(args.dim, args.dense_hidden, args.situ_beta1, args.situ_beta2)
+        self.init_std = args.init_std
+        self.out_init_std = args.init_std / math.sqrt(2 * (layer_id + 1))
+
+    def forward(
+        self, blocks: list[torch.Tensor], partial: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        x = self.mixer_site(blocks + [partial]) if self.mixer_site is not None else partial
+        a = self.mixer(self.mixer_norm(x), doc_ids)
+        if self.starts_block:
+            blocks = blocks + [partial]
+            partial = a
+        else:
+            partial = partial + a
+        x = self.ffn_site(blocks + [partial])
+        partial = partial + self.ffn(self.ffn_norm(x))
+        return blocks, partial
+
+    def init_weights(self) -> None:
+        for site in (self.mixer_site, self.ffn_site):
+            if site is not None:
+                site.init_weights()
+        self.mixer_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.mixer.init_weights(self.init_std, self.out_init_std)
+        self.ffn.init_weights(self.init_std, self.out_init_std)
+
+
+class TitanMoE(nn.Module):
+    def __init__(self, args: TitanMoEArgs) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(i, args) for i in range(args.n_layers)})
+        self.final_site = AttnResSite(args.dim, args.attn_res_eps)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [B, T] int; doc_ids: [B, T] document index per token (packed data) or None."""
+        blocks: list[torch.Tensor] = []
+        partial = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            blocks, partial = layer(blocks, partial, doc_ids)
+        h = self.final_site(blocks + [partial])
+        return self.output(self.norm(h))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.final_site.init_weights()
+        self.norm.reset_parameters()
+        bound = 3 * self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-bound, b=bound)

@@ -1,0 +1,116 @@
+"""Stable LatentMoE (spec §5): routed SiTU-GLU experts in a latent width plus shared experts.
+
+    (I, p) = Router(x)                         sigmoid top-k with the QB bias, on full-width x
+    z = W_down x                               latent width ℓ; dispatching z halves the bytes
+    u = Σ_{e∈I} p_e · W2_e situ_glu(W1_e z, W3_e z)
+    y = W_up RMSNorm_ℓ(u) + SiTUGLU_shared(x)
+
+Dropless: the N·k (token, slot) pairs are sorted by expert (stable), the experts run as grouped
+GEMMs over the contiguous groups, and the results are gathered back to (token, slot) order and
+summed with the combine weights. Every shape is static and nothing syncs with the host.
+"""
+
+import torch
+from torch import nn
+
+from titan_moe.model.router import Router
+from titan_moe.model.situ_glu import SiTUGLU, situ_glu
+from titan_moe.ops.grouped_mm import grouped_mm
+
+
+class GroupedExperts(nn.Module):
+    """E SiTU-GLU experts stored stacked, laid out [E, in, out] for grouped_mm."""
+
+    def __init__(
+        self, n_experts: int, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0
+    ):
+        super().__init__()
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [M, dim] with rows grouped by expert, offs [E] int32 group ends -> [M, dim].
+
+        Dropless dispatch fills every row (offs[-1] == M), so no padding rows need masking.
+        """
+        a = grouped_mm(x, self.w1, offs, zero_padding_rows=False)
+        b = grouped_mm(x, self.w3, offs, zero_padding_rows=False)
+        h = situ_glu(a, b, self.beta1, self.beta2)
+        return grouped_mm(h, self.w2, offs, zero_padding_rows=False)
+
+    def init_weights(self, init_std: float, out_init_std: float) -> None:
+        for w, std in ((self.w1, init_std), (self.w3, init_std), (self.w2, out_init_std)):
+            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+
+class LatentMoE(nn.Module):
+    """Router + latent routed experts + full-width shared experts."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        n_shared: int,
+        latent_dim: int,
+        expert_hidden: int,
+        shared_hidden: int,
+        route_scale: float = 1.0,
+        beta1: float = 4.0,
+        beta2: float = 25.0,
+        norm_eps: float = 1e-5,
+        n_bins: int = 1000,
+        layer_id: int = 0,
+    ):
+        super().__init__()
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.router = Router(dim, n_experts, top_k, route_scale, n_bins, layer_id)
+        self.w_down = nn.Linear(dim, latent_dim, bias=False)
+        self.experts = GroupedExperts(n_experts, latent_dim, expert_hidden, beta1, beta2)
+        self.norm = nn.RMSNorm(latent_dim, eps=norm_eps)
+        self.w_up = nn.Linear(latent_dim, dim, bias=False)
+        # n_shared unweighted full-width experts summed equal one SiTU-GLU whose hidden units are
+        # their concatenation: Σ_i W2_i h_i(x) = [W2_1 … W2_n] [h_1(x); …; h_n(x)].
+        self.shared = SiTUGLU(dim, n_shared * shared_hidden, beta1, beta2) if n_shared > 0 else None
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, dim], valid [B, T] bool (padding excluded from QB statistics) -> [B, T, dim]."""
+        batch, seq, dim = x.shape
+        n_tokens, k = batch * seq, self.top_k
+        x_flat = x.reshape(n_tokens, dim)
+        expert_ids, weights = self.router(x_flat, None if valid is None else valid.reshape(-1))
+        z = self.w_down(x_flat)
+
+        pair_expert = expert_ids.reshape(-1)
+        sorted_expert, order = torch.sort(pair_expert, stable=True)
+        group_ends = torch.arange(1, self.n_experts + 1, device=x.device)
+        offs = torch.searchsorted(sorted_expert, group_ends, out_int32=True)
+        # Each pair gets its own row of z before the permutation, so the backward of the
+        # permutation writes every row once (no atomics) and the k copies reduce deterministically.
+        z_pairs = z.unsqueeze(1).expand(n_tokens, k, z.shape[-1]).reshape(n_tokens * k, -1)
+        expert_out = self.experts(z_pairs.index_select(0, order), offs)
+
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=x.device)
+        )
+        pair_out = expert_out.index_select(0, inverse).view(n_tokens, k, -1)
+        u = (pair_out.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
+        y = self.w_up(self.norm(u.to(x.dtype)))
+        if self.shared is not None:
+            y = y + self.shared(x_flat)
+        return y.view(batch, seq, dim)
+
+    def init_weights(self, init_std: float, out_init_std: float) -> None:
+        self.router.init_weights(init_std)
+        nn.init.trunc_normal_(self.w_down.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        self.experts.init_weights(init_std, out_init_std)
+        self.norm.reset_parameters()
+        nn.init.trunc_normal_(
+            self.w_up.weight, std=out_init_std, a=-3 * out_init_std, b=3 * out_init_std
+        )
+        if self.shared is not None:
+            self.shared.init_weights(init_std, out_init_std)

@@ -1,0 +1,48 @@
+"""SiTU-GLU: a bounded gated linear unit (spec §5).
+
+    SiTU_β(g) = β · tanh(g / β) · σ(g)
+    h = SiTU_β1(W1 z) ⊙ β2 · tanh(W3 z / β2)
+    SiTUGLU(z) = W2 h
+
+With β1 = 4, β2 = 25 every element of h lies in (-100, 100) whatever the input, which is what
+keeps the experts stable; near 0, tanh(g/β)·β ≈ g, so the unit behaves like SwiGLU there.
+"""
+
+import torch
+from torch import nn
+
+
+def situ(x: torch.Tensor, beta: float) -> torch.Tensor:
+    """SiTU_β(x) = β·tanh(x/β)·σ(x), in the dtype of x."""
+    return beta * torch.tanh(x / beta) * torch.sigmoid(x)
+
+
+def situ_glu(
+    a: torch.Tensor, b: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor:
+    """h = SiTU_β1(a) ⊙ β2·tanh(b/β2), computed in (at least) fp32, returned in a's dtype."""
+    compute_dtype = torch.promote_types(a.dtype, torch.float32)
+    a32, b32 = a.to(compute_dtype), b.to(compute_dtype)
+    return (situ(a32, beta1) * (beta2 * torch.tanh(b32 / beta2))).to(a.dtype)
+
+
+class SiTUGLU(nn.Module):
+    """A dense SiTU-GLU feed-forward block: w2(situ_glu(w1 x, w3 x))."""
+
+    def __init__(self, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0):
+        super().__init__()
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(situ_glu(self.w1(x), self.w3(x), self.beta1, self.beta2))
+
+    def init_weights(self, init_std: float, out_init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(self.w3.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(
+            self.w2.weight, std=out_init_std, a=-3 * out_init_std, b=3 * out_init_std
+        )

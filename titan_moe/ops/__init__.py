@@ -1,0 +1,1 @@
+"""Kernels and their plain-PyTorch references."""

@@ -1,0 +1,251 @@
+"""Train a titan_moe model with torchtitan's Trainer, on CUDA (nccl) or CPU (gloo).
+
+    python -m titan_moe.train --job.config_file configs/debug.toml [--section.key value ...]
+    CONFIG_FILE=configs/debug.toml NGPU=2 ./run_train.sh [--section.key value ...]
+
+One optimizer step = torchtitan's step, then every QuantileBalancer.step() (spec §6), whose
+metrics join the logged ones. Logged per log step (TensorBoard with --metrics.enable_tensorboard):
+loss, grad norm, tokens/s per device, achieved TFLOPS, MFU = achieved / peak FLOPS (CUDA only:
+there is no meaningful peak on CPU), peak memory (CUDA allocator, or process RSS on CPU),
+`moe/*` from Quantile Balancing, and histograms of the relative expert load (load / mean load)
+and of the QB biases. `[profiling] enable_profiling = true` writes Chrome/Perfetto traces.
+"""
+
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, TensorBoardLogger
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.config import JobConfig
+from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools.logging import init_logger, logger
+
+from titan_moe.config import MODEL_NAME, parse_job_config_or_exit
+from titan_moe.platform import PlatformTrainer, resolve_device_type, use_platform
+
+
+class LoadBalancing:
+    """Optimizer post-step hook: run every balancer once, keep the metrics they report."""
+
+    def __init__(self, balancers: Sequence[Any]) -> None:
+        self.balancers = list(balancers)
+        self.metrics: dict[str, float] = {}
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> None:
+        metrics: dict[str, float] = {}
+        for balancer in self.balancers:
+            metrics.update(balancer.step())
+        self.metrics = metrics
+
+
+def attach_load_balancing(optimizers: OptimizersContainer, balancers: Sequence[Any]) -> None:
+    """Register the balancers' step after each optimizer step; expose them to the metrics."""
+    hook = LoadBalancing(balancers)
+    optimizers.register_step_post_hook(hook)
+    optimizers.load_balancing = hook
+
+
+def build_optimizers_with_quantile_balancing(
+    model_parts: list[nn.Module],
+    optimizer_config: OptimizerConfig,
+    parallel_dims: ParallelDims,
+    ft_manager: Any = None,
+) -> OptimizersContainer:
+    """torchtitan's optimizers, followed each step by a QuantileBalancer per model part."""
+    from titan_moe.model.quantile_balance import QuantileBalancer
+
+    optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    # QB histograms are summed over the ranks that hold distinct tokens: data and context
+    # parallel ranks (torchtitan's "loss" mesh), never tensor-parallel replicas.
+    loss_mesh = parallel_dims.get_optional_mesh("loss")
+    dp_group = loss_mesh.get_group() if loss_mesh is not None else None
+    attach_load_balancing(optimizers, [QuantileBalancer(m, dp_group=dp_group) for m in model_parts])
+    return optimizers
+
+
+class TitanMoEMetricsProcessor(MetricsProcessor):
+    """torchtitan's step metrics plus MoE routing health; MFU only where peak FLOPS is known."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self.peak_flops = self.gpu_peak_flops if math.isfinite(self.gpu_peak_flops) else None
+        self.histogram_writer = _tensorboard_writer(self.logger)
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        elapsed = time.perf_counter() - self.time_last_log
+        tps = self.ntokens_since_last_log / (elapsed * self.parallel_dims.non_data_parallel_size)
+        tflops = self.num_flops_per_token * tps / 1e12
+        memory = self.device_memory_monitor.get_peak_stats()
+        loading = sum(self.data_loading_times)
+        metrics: dict[str, Any] = {
+            "loss_metrics/global_avg_loss": global_avg_loss,
+            "loss_metrics/global_max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "throughput(tps)": tps,
+            "tflops": tflops,
+            "time_metrics/end_to_end(s)": elapsed / self.job_config.metrics.log_freq,
+            "time_metrics/data_loading(s)": loading / max(len(self.data_loading_times), 1),
+            "time_metrics/data_loading(%)": 100 * loading / elapsed,
+            "memory/max_active(GiB)": memory.max_active_gib,
+            "memory/max_active(%)": memory.max_active_pct,
+            "memory/max_reserved(GiB)": memory.max_reserved_gib,
+            "memory/max_reserved(%)": memory.max_reserved_pct,
+            "memory/num_alloc_retries": memory.num_alloc_retries,
+            "memory/num_ooms": memory.num_ooms,
+        }
+        mfu = ""
+        if self.peak_flops:
+            metrics["mfu(%)"] = 100 * tflops * 1e12 / self.peak_flops
+            mfu = f"  mfu: {metrics['mfu(%)']:.2f}%"
+        metrics.update(extra_metrics or {})
+        balancing = getattr(self.optimizers, "load_balancing", None)
+        if balancing is not None:
+            metrics.update(balancing.metrics)
+            self._log_histograms(balancing, step)
+        self.logger.log(metrics, step)
+
+        c = self.color
+        moe = f"  max_violation: {metrics['moe/max_violation']:.3f}" if (
+            "moe/max_violation" in metrics) else ""
+        logger.info(
+            f"{c.red}step: {step:2}  {c.green}loss: {global_avg_loss:8.5f}  "
+            f"{c.orange}grad_norm: {grad_norm:7.4f}  "
+            f"{c.turquoise}memory: {memory.max_reserved_gib:5.2f}GiB"
+            f"({memory.max_reserved_pct:.2f}%)  {c.blue}tps: {round(tps):,}  "
+            f"{c.cyan}tflops: {tflops:,.3f}{c.magenta}{mfu}{moe}{c.reset}"
+        )
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+
+    def _log_histograms(self, balancing: LoadBalancing, step: int) -> None:
+        if self.histogram_writer is None:
+            return
+        for balancer in balancing.balancers:
+            if balancer.expert_load is not None:
+                load = balancer.expert_load.double()
+                relative = load / load.mean(-1, keepdim=True).clamp(min=1e-12)
+                self.histogram_writer.add_histogram("moe/expert_load_relative", relative, step)
+            if balancer.routers:
+                biases = torch.stack([r.expert_bias.detach().float() for r in balancer.routers])
+                self.histogram_writer.add_histogram("moe/expert_bias", biases, step)
+
+
+def _tensorboard_writer(metric_logger: Any) -> Any:
+    # torchtitan's loggers only write scalars; histograms go through its TensorBoard writer.
+    loggers = metric_logger._loggers if isinstance(metric_logger, LoggerContainer) else []
+    return next((lg.writer for lg in loggers if isinstance(lg, TensorBoardLogger)), None)
+
+
+def build_metrics_processor(
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    model_args: Any = None,
+    tag: str | None = None,
+) -> TitanMoEMetricsProcessor:
+    """TrainSpec `build_metrics_processor_fn`."""
+    return TitanMoEMetricsProcessor(job_config, parallel_dims, tag)
+
+
+def titan_moe_train_spec() -> TrainSpec:
+    """Our TrainSpec; imports the model, data and tokenizer modules only when called."""
+    from titan_moe.data.dataloader import build_dataloader
+    from titan_moe.model.args import FLAVORS
+    from titan_moe.model.model import TitanMoE
+    from titan_moe.parallelize import parallelize_titan_moe
+    from titan_moe.tokenizer import build_tokenizer
+
+    return TrainSpec(
+        model_cls=TitanMoE,
+        model_args=FLAVORS,
+        parallelize_fn=parallelize_titan_moe,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers_with_quantile_balancing,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_dataloader,
+        build_tokenizer_fn=build_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_metrics_processor_fn=build_metrics_processor,
+    )
+
+
+def register_titan_moe() -> None:
+    """Register the "titan_moe" TrainSpec with torchtitan (once)."""
+    try:
+        get_train_spec(MODEL_NAME)
+    except ValueError:
+        register_train_spec(MODEL_NAME, titan_moe_train_spec())
+
+
+class TitanMoETrainer(PlatformTrainer):
+    """torchtitan's Trainer on our platform adapter, with the titan_moe TrainSpec registered."""
+
+    def __init__(self, job_config: JobConfig):
+        if job_config.model.name == MODEL_NAME:
+            register_titan_moe()
+        super().__init__(job_config)
+
+
+@record
+def run(job_config: JobConfig) -> None:
+    """Build the trainer and train (or write a seed checkpoint), as torchtitan's main does."""
+    use_platform(resolve_device_type(job_config.training.device))
+    trainer = None
+    try:
+        trainer = TitanMoETrainer(job_config)
+        if job_config.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    except Exception:
+        if trainer is not None:
+            trainer.close()
+        raise
+    trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _single_process_env() -> None:
+    """Let `python -m titan_moe.train` run without torchrun, as one process."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    init_logger()
+    _single_process_env()
+    job_config = parse_job_config_or_exit(sys.argv[1:] if argv is None else argv)
+    run(job_config)
+
+
+if __name__ == "__main__":
+    main()
