@@ -57,6 +57,8 @@ class Model(tt_config.Model):
 
 @dataclass
 class Training(tt_config.Training):
+    dataset: str = "pystdlib"
+    """A local dataset prepared on first use under ./data/<name> (see titan_moe/data)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: CUDA + nccl, CPU + gloo, or auto (CUDA when one is visible)."""
     dataset_text_field: str = "text"
@@ -273,6 +275,7 @@ def _check_semantics(job_config: Any) -> None:
             "checkpoint.create_seed_checkpoint needs NGPU=1 and checkpoint.enable = true"
         )
     _check_profiling(job_config.profiling, device_type)
+    _check_data(job_config)
     flavor_args = _flavor_args(job_config)
     seq_lens = [("training.seq_len", job_config.training.seq_len)]
     if job_config.validation.enable:
@@ -287,6 +290,18 @@ def _check_semantics(job_config: Any) -> None:
         flavor_args.update_from_config(job_config)
     except ValueError as e:
         raise ConfigError(str(e).replace("\n", " ")) from None
+
+
+def _check_data(job_config: Any) -> None:
+    from titan_moe.data.dataloader import check_data_source
+
+    sections = ["training"] + (["validation"] if job_config.validation.enable else [])
+    for section in sections:
+        config = getattr(job_config, section)
+        try:
+            check_data_source(config.dataset, config.dataset_path, section)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_profiling(profiling: tt_config.Profiling, device_type: str) -> None:

@@ -20,59 +20,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, TensorBoardLogger
-from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 from torchtitan.config import JobConfig
-from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 
 from titan_moe.config import MODEL_NAME, parse_job_config_or_exit
+from titan_moe.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
 from titan_moe.platform import PlatformTrainer, resolve_device_type, use_platform
-
-
-class LoadBalancing:
-    """Optimizer post-step hook: run every balancer once, keep the metrics they report."""
-
-    def __init__(self, balancers: Sequence[Any]) -> None:
-        self.balancers = list(balancers)
-        self.metrics: dict[str, float] = {}
-
-    def __call__(self, *_args: Any, **_kwargs: Any) -> None:
-        metrics: dict[str, float] = {}
-        for balancer in self.balancers:
-            metrics.update(balancer.step())
-        self.metrics = metrics
-
-
-def attach_load_balancing(optimizers: OptimizersContainer, balancers: Sequence[Any]) -> None:
-    """Register the balancers' step after each optimizer step; expose them to the metrics."""
-    hook = LoadBalancing(balancers)
-    optimizers.register_step_post_hook(hook)
-    optimizers.load_balancing = hook
-
-
-def build_optimizers_with_quantile_balancing(
-    model_parts: list[nn.Module],
-    optimizer_config: OptimizerConfig,
-    parallel_dims: ParallelDims,
-    ft_manager: Any = None,
-) -> OptimizersContainer:
-    """torchtitan's optimizers, followed each step by a QuantileBalancer per model part."""
-    from titan_moe.model.quantile_balance import QuantileBalancer
-
-    optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
-    # QB histograms are summed over the ranks that hold distinct tokens: data and context
-    # parallel ranks (torchtitan's "loss" mesh), never tensor-parallel replicas.
-    loss_mesh = parallel_dims.get_optional_mesh("loss")
-    dp_group = loss_mesh.get_group() if loss_mesh is not None else None
-    attach_load_balancing(optimizers, [QuantileBalancer(m, dp_group=dp_group) for m in model_parts])
-    return optimizers
 
 
 class TitanMoEMetricsProcessor(MetricsProcessor):

@@ -3,6 +3,10 @@
 Reference: the uninterrupted run. The checkpoint carries model (QB biases included), optimizer,
 LR schedule and dataloader position, so on one CPU process the resumed losses are identical
 (tolerance 0). A save that was cut short (no DCP `.metadata`) must never be loaded.
+
+The 3-step job stands for a 6-step job interrupted after step 3, so their LR schedules must agree
+on steps 1-6: warmup then constant (decay_ratio 0), since a decay phase would end at step 3 in a
+3-step job.
 """
 
 import shutil
@@ -17,7 +21,8 @@ TINY = [
     "--job.config_file", "configs/debug.toml",
     "--titan_moe.n_layers", "3", "--titan_moe.mla_layers", "3",
     "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+    "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.0",
+    "--metrics.log_freq", "1",
     "--metrics.disable_color_printing", "--training.device", "cpu",
     "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.no_last_save_model_only",
 ]

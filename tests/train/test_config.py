@@ -114,6 +114,13 @@ def test_seq_len_must_be_a_multiple_of_the_kda_chunk():
     parse_job_config(["--training.seq_len", str(2 * KDA_CHUNK)])
 
 
+def test_missing_data_path_names_the_field(tmp_path):
+    message = error_of(["--training.dataset_path", str(tmp_path / "missing")])
+    assert message.startswith("training.dataset_path=") and "does not exist" in message
+    message = error_of(["--training.dataset", "c4_test"])
+    assert "training.dataset='c4_test' is not a local dataset" in message
+
+
 def test_profiler_schedule_must_fit():
     message = error_of(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
     window = "profiler_warmup + profiler_active = 4"

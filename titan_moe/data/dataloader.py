@@ -132,28 +132,34 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.packer.load_state_dict(state_dict)
 
 
-def resolve_data_path(name: str, path: str | None, section: str) -> Path:
-    """The corpus location for config ``section`` ("training" or "validation").
-
-    An explicit ``{section}.dataset_path`` wins; otherwise ``{section}.dataset`` must name a
-    local dataset, which is prepared under ``./data/<name>`` if missing.
-    """
+def check_data_source(name: str, path: str | None, section: str) -> None:
+    """Raise FileNotFoundError naming the config field unless the data can be found or built."""
     if path:
         if not Path(path).exists():
             raise FileNotFoundError(
                 f"{section}.dataset_path={path!r} does not exist; point it at a .jsonl / "
                 ".parquet / .txt file or a folder of them"
             )
+    elif name not in LOCAL_DATASETS:
+        raise FileNotFoundError(
+            f"{section}.dataset_path is not set and {section}.dataset={name!r} is not a local "
+            f"dataset ({', '.join(LOCAL_DATASETS)}); set {section}.dataset_path to a .jsonl / "
+            ".parquet / .txt file or a folder of them"
+        )
+
+
+def resolve_data_path(name: str, path: str | None, section: str) -> Path:
+    """The corpus location for config ``section`` ("training" or "validation").
+
+    An explicit ``{section}.dataset_path`` wins; otherwise ``{section}.dataset`` must name a
+    local dataset, which is prepared under ``./data/<name>`` if missing.
+    """
+    check_data_source(name, path, section)
+    if path:
         return Path(path)
-    if name in LOCAL_DATASETS:
-        folder = DATA_ROOT / name
-        LOCAL_DATASETS[name](folder)
-        return folder
-    raise FileNotFoundError(
-        f"{section}.dataset_path is not set and {section}.dataset={name!r} is not a local "
-        f"dataset ({', '.join(LOCAL_DATASETS)}); set {section}.dataset_path to a .jsonl / "
-        ".parquet / .txt file or a folder of them"
-    )
+    folder = DATA_ROOT / name
+    LOCAL_DATASETS[name](folder)
+    return folder
 
 
 def _build(

@@ -3,11 +3,12 @@
     out[m] = x[m] @ w[e]   for start_e <= m < offs[e],  start_0 = 0, start_e = offs[e-1]
     out[m] = 0             for m >= offs[E-1]  (padding rows)
 
-On sm90+ CUDA with bf16 activations this is one `torch._grouped_mm` call. Everywhere else
-(CPU, float32/float64, older GPUs) it is an exact fallback: every expert's product is computed
-for all rows and each row keeps its own expert's result. That costs E times the FLOPs but needs no
-host sync and no data-dependent shapes, so it traces under torch.compile(fullgraph=True); it is
-meant for debug sizes and tests only.
+On sm90+ CUDA with bf16 activations this is one `torch._grouped_mm` call. Elsewhere (CPU,
+float32/float64, older GPUs) there are two exact fallbacks:
+- eager: one GEMM per expert over its own row slice (reads the group ends on the host);
+- under torch.compile: every expert's product over all rows, each row keeping its own expert's
+  result. E times the FLOPs, but no host sync and no data-dependent shapes, so it traces with
+  fullgraph=True; meant for debug sizes and tests.
 """
 
 import torch
@@ -31,6 +32,16 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -
     return out
 
 
+def grouped_mm_sliced(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Exact grouped product, one GEMM per group; eager only (offs is read on the host)."""
+    outs, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        outs.append(x[start:end] @ w[e])
+        start = end
+    outs.append(x.new_zeros(x.shape[0] - start, w.shape[-1]))
+    return torch.cat(outs)
+
+
 def grouped_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, zero_padding_rows: bool = True
 ) -> torch.Tensor:
@@ -42,7 +53,9 @@ def grouped_mm(
     skip the two extra elementwise passes.
     """
     if not _use_cuda_grouped_mm(x):
-        return grouped_mm_reference(x, w.to(x.dtype), offs)
+        if torch.compiler.is_compiling():
+            return grouped_mm_reference(x, w.to(x.dtype), offs)
+        return grouped_mm_sliced(x, w.to(x.dtype), offs)
     w = w.to(torch.bfloat16)
     if not zero_padding_rows:
         return torch._grouped_mm(x, w, offs=offs)

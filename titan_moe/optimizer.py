@@ -1,0 +1,70 @@
+"""The optimizer: torchtitan's AdamW with no weight decay on 1-D parameters, followed each step by
+Quantile Balancing (spec §6).
+
+1-D parameters are the norms' gains, the KDA decay parameters A_log and dt_bias, and the AttnRes
+pseudo-queries and gains; the spec excludes the last four from weight decay, and decaying a norm
+gain towards 0 has no use either.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.distributed import ParallelDims
+
+from titan_moe.model.quantile_balance import QuantileBalancer
+
+
+class LoadBalancing:
+    """Optimizer post-step hook: run every balancer once, keep the metrics they report."""
+
+    def __init__(self, balancers: Sequence[Any]) -> None:
+        self.balancers = list(balancers)
+        self.metrics: dict[str, float] = {}
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> None:
+        metrics: dict[str, float] = {}
+        for balancer in self.balancers:
+            metrics.update(balancer.step())
+        self.metrics = metrics
+
+
+def attach_load_balancing(optimizers: OptimizersContainer, balancers: Sequence[Any]) -> None:
+    """Register the balancers' step after each optimizer step; expose them to the metrics."""
+    hook = LoadBalancing(balancers)
+    optimizers.register_step_post_hook(hook)
+    optimizers.load_balancing = hook
+
+
+def build_optimizers_with_quantile_balancing(
+    model_parts: list[nn.Module],
+    optimizer_config: OptimizerConfig,
+    parallel_dims: ParallelDims,
+    ft_manager: Any = None,
+) -> OptimizersContainer:
+    """torchtitan's optimizers, followed each step by a QuantileBalancer per model part."""
+    optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    exclude_1d_from_weight_decay(optimizers)
+    # QB histograms are summed over the ranks that hold distinct tokens: data and context
+    # parallel ranks (torchtitan's "loss" mesh), never tensor-parallel replicas.
+    loss_mesh = parallel_dims.get_optional_mesh("loss")
+    dp_group = loss_mesh.get_group() if loss_mesh is not None else None
+    attach_load_balancing(optimizers, [QuantileBalancer(m, dp_group=dp_group) for m in model_parts])
+    return optimizers
+
+
+def exclude_1d_from_weight_decay(optimizers: OptimizersContainer) -> None:
+    """Split each optimizer's single group into (≥2-D: decayed, 1-D: weight_decay = 0).
+
+    Done before the first step, so there is no optimizer state to move.
+    """
+    for optimizer in optimizers:
+        (group,) = optimizer.param_groups
+        decay = [p for p in group["params"] if p.ndim >= 2]
+        no_decay = [p for p in group["params"] if p.ndim < 2]
+        optimizer.param_groups = [
+            {**group, "params": decay},
+            {**group, "params": no_decay, "weight_decay": 0.0},
+        ]
