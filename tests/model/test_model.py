@@ -24,7 +24,7 @@ def _debug_model(dtype=torch.float32, **overrides) -> TitanMoE:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    return float((a - b).detach().abs().max() / b.detach().abs().max().clamp_min(1e-30))
 
 
 def test_packed_documents_do_not_see_each_other():
