@@ -42,3 +42,15 @@ def test_attn_res_params_stay_fp32_and_output_keeps_dtype():
     sources = [torch.randn(2, 8, dtype=torch.bfloat16) for _ in range(2)]
     assert site.query.dtype == torch.float32 and site.gain.dtype == torch.float32
     assert site(sources).dtype == torch.bfloat16
+
+
+def test_attn_res_math_stays_fp32_under_autocast():
+    torch.manual_seed(2)
+    site = AttnResSite(64)
+    with torch.no_grad():
+        site.query.normal_()
+    sources = [torch.randn(4, 64) for _ in range(3)]
+    ref = site(sources)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = site(sources)
+    assert torch.equal(out, ref)  # bf16 scores would differ in the third significant digit

@@ -23,13 +23,14 @@ class AttnResSite(nn.Module):
         self.gain = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        # fp32 at least (float64 stays float64, for the reference tests).
+        # fp32 at least (float64 stays float64, for the reference tests), and never AMP's bf16.
         dtype = torch.promote_types(sources[0].dtype, torch.float32)
-        v = torch.stack(sources).to(dtype)
-        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
-        scores = keys @ (self.gain * self.query).to(dtype)
-        p = torch.softmax(scores, dim=0)
-        return (p.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+        with torch.autocast(sources[0].device.type, enabled=False):
+            v = torch.stack(sources).to(dtype)
+            keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
+            scores = keys @ (self.gain * self.query).to(dtype)
+            p = torch.softmax(scores, dim=0)
+            return (p.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
 
     def init_weights(self) -> None:
         nn.init.zeros_(self.query)

@@ -94,7 +94,8 @@ class Router(nn.Module):
         Scores and weights are fp32 (float64 for float64 x, as in the exactness tests).
         """
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
-        scores = torch.sigmoid(F.linear(x.to(compute_dtype), self.weight.to(compute_dtype)))
+        with torch.autocast(x.device.type, enabled=False):
+            scores = torch.sigmoid(F.linear(x.to(compute_dtype), self.weight.to(compute_dtype)))
         biased = scores.detach() + self.expert_bias
         top_values, top_ids = topk_lowest_index_on_ties(biased, self.top_k + 1)
         expert_ids = top_ids[:, : self.top_k]

@@ -6,6 +6,7 @@ chunked form serves every device until a fused kernel registers itself for one.
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from titan_moe.ops.kda.chunk import chunk_kda_torch
@@ -35,16 +36,18 @@ def chunk_kda(
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA with chunk_kda_torch's signature and semantics (fla layout, scale applied)."""
     impl = CHUNK_KDA_BY_DEVICE.get(q.device.type, chunk_kda_torch)
-    return impl(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        doc_ids=doc_ids,
-        chunk_size=CHUNK_SIZE,
-    )
+    # The chunk math is fp32 by design (the gate's exponent range); AMP must not recast it.
+    with torch.autocast(q.device.type, enabled=False):
+        return impl(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            doc_ids=doc_ids,
+            chunk_size=CHUNK_SIZE,
+        )
