@@ -67,3 +67,13 @@ def test_compiled_model_matches_eager_with_no_graph_break():
     for n, p in model.named_parameters():
         if n in eager_grads:
             assert _rel(p.grad, eager_grads[n]) < COMPILE_RTOL * 10, n
+
+
+def test_kda_decay_init_follows_the_spec():
+    model = _debug_model()
+    for layer in model.layers.values():
+        if hasattr(layer.mixer, "dt_bias"):
+            dt = torch.nn.functional.softplus(layer.mixer.dt_bias.detach().double())
+            assert dt.min() >= 1e-3 * (1 - 1e-6) and dt.max() <= 1e-1 * (1 + 1e-6)
+            assert dt.log().std() > 0.5  # log-uniform over a factor of 100, not a constant
+            assert torch.equal(layer.mixer.A_log.detach(), torch.zeros_like(layer.mixer.A_log))

@@ -88,11 +88,15 @@ class KimiDeltaAttention(nn.Module):
             nn.init.uniform_(conv, -bound, bound)
         with torch.no_grad():
             self.A_log.zero_()
-            self.dt_bias.copy_(inverse_softplus_log_uniform(self.dt_bias.shape, 1e-3, 1e-1))
+            init_dt_bias_(self.dt_bias, 1e-3, 1e-1)
         self.o_norm.reset_parameters()
 
 
-def inverse_softplus_log_uniform(shape: torch.Size, low: float, high: float) -> torch.Tensor:
-    """dt ~ LogUniform[low, high], returned as softplus⁻¹(dt) = dt + log(−expm1(−dt))."""
-    dt = torch.exp(torch.empty(shape).uniform_(math.log(low), math.log(high)))
-    return dt + torch.log(-torch.expm1(-dt))
+@torch.no_grad()
+def init_dt_bias_(dt_bias: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """In place: dt ~ LogUniform[low, high], stored as softplus⁻¹(dt) = dt + log(−expm1(−dt)).
+
+    Built from the parameter itself, so it also works on an FSDP-sharded (DTensor) parameter.
+    """
+    dt = dt_bias.uniform_(math.log(low), math.log(high)).exp_()
+    return dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
