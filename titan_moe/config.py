@@ -65,6 +65,8 @@ class Training(tt_config.Training):
     """The document field of .jsonl / .parquet data."""
     shuffle_windows: int = 0
     """Packed windows held in a seeded shuffle buffer (0: keep the corpus order)."""
+    min_doc_tokens: int = 0
+    """Skip documents shorter than this many tokens (the long-context stages' data mix)."""
 
 
 def model_args_class(model_name: str) -> type:

@@ -223,3 +223,23 @@ class _ByteTokenizer:
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         return [1] * add_bos + [b + 3 for b in text.encode("utf-8")] + [2] * add_eos
+
+
+def test_min_doc_tokens_keeps_only_long_documents(corpus, int_tokenizer, naive):
+    docs = [int_tokenizer.encode(" ".join([str(1000 + i)] * n)) for i, n in enumerate(LENGTHS)]
+    threshold = sorted(len(d) for d in docs)[len(docs) // 2]
+    files = sorted(corpus.iterdir())
+    dataset = PackedTextDataset(
+        files, int_tokenizer, SEQ_LEN, infinite=False, min_doc_tokens=threshold
+    )
+    loader = ParallelAwareDataloader(dataset, dp_rank=0, dp_world_size=1, batch_size=BATCH)
+    long_docs = [d for d in docs if len(d) >= threshold]
+    assert 0 < len(long_docs) < len(docs)
+    assert _flatten(list(loader)) == naive(long_docs, SEQ_LEN, pad_tail=True)
+
+
+def test_min_doc_tokens_longer_than_every_document_is_an_error(corpus, int_tokenizer):
+    files = sorted(corpus.iterdir())
+    dataset = PackedTextDataset(files, int_tokenizer, SEQ_LEN, min_doc_tokens=10**9)
+    with pytest.raises(ValueError, match=r"training\.min_doc_tokens = 1000000000"):
+        next(iter(dataset))

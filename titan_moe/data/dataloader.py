@@ -47,6 +47,7 @@ class PackedTextDataset(IterableDataset, Stateful):
         text_field: str = "text",
         shuffle_windows: int = 0,
         seed: int = 0,
+        min_doc_tokens: int = 0,
     ):
         self.files = files
         self.tokenizer = tokenizer
@@ -59,6 +60,8 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.epoch = 0
         self.docs_read = 0
         self.packer = DocumentPacker(seq_len + 1)
+        # Later context stages train on long documents only (their data mix).
+        self.min_doc_tokens = min_doc_tokens
         # Windows wait in a buffer and leave it in a seeded random order: consecutive windows of
         # one long document would otherwise fill whole batches, and Quantile Balancing fits each
         # step's expert bias on the previous step's tokens, so it needs steps that look alike.
@@ -79,10 +82,15 @@ class PackedTextDataset(IterableDataset, Stateful):
     def __iter__(self) -> Iterator[Batch]:
         shard, n_shards = self._shard()
         while True:
+            whole_pass, kept = self.docs_read == 0, 0
             start = shard + self.docs_read * n_shards
             for _, text in iter_documents(self.files, self.text_field, start, n_shards):
-                self.packer.add(self.tokenizer.encode(text, add_bos=True, add_eos=True))
+                tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)
                 self.docs_read += 1
+                if len(tokens) < self.min_doc_tokens:
+                    continue
+                kept += 1
+                self.packer.add(tokens)
                 while self.packer.ready():
                     window = self._shuffled(self.packer.pop())
                     if window is not None:
@@ -98,6 +106,11 @@ class PackedTextDataset(IterableDataset, Stateful):
                 raise ValueError(
                     f"data shard {shard} of {n_shards} is empty: the corpus has fewer documents "
                     "than data-parallel ranks x dataloader workers"
+                )
+            if whole_pass and kept == 0:
+                raise ValueError(
+                    f"training.min_doc_tokens = {self.min_doc_tokens}: no document of data shard "
+                    f"{shard} is that long; lower it"
                 )
             self.epoch += 1
             self.docs_read = 0
@@ -184,6 +197,7 @@ def _build(
         infinite=infinite,
         text_field=getattr(config, "dataset_text_field", "text"),
         shuffle_windows=getattr(config, "shuffle_windows", 0) if infinite else 0,
+        min_doc_tokens=getattr(config, "min_doc_tokens", 0),
         seed=job_config.debug.seed or 0,
     )
     return ParallelAwareDataloader(
