@@ -1,0 +1,155 @@
+"""MoE benchmark: our LatentMoE layer and sigmoid QB router against torchtitan 0.2.2's MoE.
+
+    python bench/moe.py                         # H200: the shapes of the QB routing issue
+    python bench/moe.py --device cpu --tokens 256 --shapes 256,128,8,2   # smoke run on CPU
+
+For each shape (d, expert hidden, E, top-k) and T tokens it times forward and forward+backward,
+eager and compiled (median of --iters after --warmup), for:
+  titan_moe  LatentMoE with latent width = d (so its experts have torchtitan's shapes), one shared
+             expert of the same hidden width, the QB histogram on;
+  torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
+Routing alone, at --route-shape (default T 16384, E 896, k 16, d 7168): our router (GEMM +
+sigmoid + stable top-(k+1) + weights + QB histogram) against GEMM + sigmoid + torch.topk(k+1) +
+a separate scatter histogram. Prints a table and writes JSON (--out). torchtitan's MoE is timed
+on CUDA only: its router calls torch.histc on int64, which has no CPU kernel.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torchtitan.models.moe.moe import MoE, MoEArgs
+
+from titan_moe.model.moe import LatentMoE
+from titan_moe.model.quantile_balance import qb_histogram
+from titan_moe.model.router import Router, topk_lowest_index_on_ties
+
+ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8"
+
+
+def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn()."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(samples)
+
+
+def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dtype: torch.dtype):
+    if kind == "titan_moe":
+        layer = LatentMoE(dim=d, n_experts=experts, top_k=k, n_shared=1, latent_dim=d,
+                          expert_hidden=hidden, shared_hidden=hidden)
+        layer.init_weights(0.02, 0.02)
+    else:
+        args = MoEArgs(num_experts=experts, num_shared_experts=1, score_func="sigmoid",
+                       route_norm=True, top_k=k, load_balance_coeff=None)
+        layer = MoE(args, dim=d, hidden_dim=hidden)
+        with torch.no_grad():
+            layer.init_weights(0.02, torch.device(device))
+    layer = layer.to(device=device, dtype=dtype)
+    if kind == "titan_moe":
+        layer.router.float()  # the spec keeps the router in fp32
+    return layer.train()
+
+
+def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters) -> dict:
+    d, hidden, experts, k = shape
+    layer = build(kind, d, hidden, experts, k, device, dtype)
+    fn = torch.compile(layer) if compiled else layer
+    x = torch.randn(1, tokens, d, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            return fn(x)
+
+    def fwd_bwd():
+        fn(x).backward(grad)
+
+    return {"fwd_ms": timed(fwd, device, warmup, iters),
+            "fwd_bwd_ms": timed(fwd_bwd, device, warmup, iters)}
+
+
+def bench_routing(tokens, experts, k, d, device, warmup, iters) -> dict:
+    router = Router(d, experts, k).to(device).train()
+    router.init_weights(0.02)
+    x = torch.randn(tokens, d, device=device)
+
+    def ours():
+        router(x)
+
+    def baseline():
+        s = torch.sigmoid(x @ router.weight.t())
+        vals, ids = torch.topk(s + router.expert_bias, k + 1)
+        chosen = s.gather(-1, ids[:, :k])
+        hist = qb_histogram(s, vals[:, k], router.expert_bias)
+        return chosen / chosen.sum(-1, keepdim=True), hist
+
+    logits = x @ router.weight.t()
+
+    def given_logits():
+        s = torch.sigmoid(logits)
+        vals, ids = topk_lowest_index_on_ties(s + router.expert_bias, k + 1)
+        chosen = s.gather(-1, ids[:, :k])
+        hist = qb_histogram(s, vals[:, k], router.expert_bias)
+        return chosen / chosen.sum(-1, keepdim=True), hist
+
+    return {"ours_ms": timed(ours, device, warmup, iters),
+            "topk_plus_histogram_ms": timed(baseline, device, warmup, iters),
+            "ours_given_logits_ms": timed(given_logits, device, warmup, iters)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--shapes", default=ISSUE_SHAPES, help="d,hidden,E,k;...")
+    parser.add_argument("--route-shape", default="16384,896,16,7168", help="T,E,k,d")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--out", default="bench/moe.json")
+    opts = parser.parse_args()
+    dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
+    shapes = [tuple(int(v) for v in s.split(",")) for s in opts.shapes.split(";")]
+    modes = [False] if opts.no_compile else [False, True]
+    # torchtitan 0.2.2's router calls torch.histc on int64, which has no CPU kernel.
+    kinds = ("titan_moe", "torchtitan") if opts.device == "cuda" else ("titan_moe",)
+    if opts.device != "cuda":
+        print("note: torchtitan's MoE runs on CUDA only (torch.histc on int64); CPU times ours")
+    rows = []
+    print(f"{'layer':<11} {'d':>5} {'hidden':>6} {'E':>4} {'k':>3} {'mode':<8} "
+          f"{'fwd ms':>8} {'fwd+bwd ms':>11}")
+    for shape in shapes:
+        for compiled in modes:
+            for kind in kinds:
+                r = bench_layer(kind, shape, opts.tokens, opts.device, dtype, compiled,
+                                opts.warmup, opts.iters)
+                mode = "compiled" if compiled else "eager"
+                rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
+                print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
+                      f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
+    t, e, k, d = (int(v) for v in opts.route_shape.split(","))
+    routing = bench_routing(t, e, k, d, opts.device, opts.warmup, opts.iters)
+    print(f"routing T={t} E={e} k={k} d={d}: " + ", ".join(
+        f"{name} {ms:.3f}" for name, ms in routing.items()))
+    result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
+              "torch": torch.__version__, "tokens": opts.tokens, "dtype": str(dtype),
+              "layers": rows, "routing": {"shape": [t, e, k, d], **routing}}
+    with open(opts.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
