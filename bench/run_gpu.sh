@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one go, for one lease of a GPU machine:
+#   bench/run_gpu.sh [OUT_DIR]          (default: outputs/bench-<date>)
+# Runs the `gpu`-marked tests, then bench/kda.py and bench/moe.py; each step's log and JSON land
+# in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
+# fla autotunes for minutes at every new shape.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-outputs/bench-$(date +%Y%m%d-%H%M)}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+step() {
+    local name=$1
+    shift
+    echo "=== $name"
+    "$@" 2>&1 | tee "$out/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [[ $rc -eq 0 ]] || { echo "=== $name failed (exit $rc)"; status=1; }
+}
+step gpu_tests python -m pytest -m gpu tests -p no:cacheprovider
+step kda python bench/kda.py --out "$out/kda.json"
+step moe python bench/moe.py --out "$out/moe.json"
+echo "results in $out"
+exit $status
