@@ -13,28 +13,14 @@ fla's first call at a new shape autotunes for minutes: keep ~/.triton/cache betw
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from timing import timed
 
 from titan_moe.ops.kda import CHUNK_SIZE, chunk_kda
 
 ISSUE_SHAPES = "1,8192,16,128;2,16384,16,128;1,8192,96,128;8,4096,32,128;1,65536,16,128"
-
-
-def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples)
 
 
 def forward_flops(b: int, t: int, h: int, d: int) -> float:

@@ -16,11 +16,9 @@ on CUDA only: its router calls torch.histc on int64, which has no CPU kernel.
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from timing import timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_moe.model.moe import LatentMoE
@@ -28,21 +26,6 @@ from titan_moe.model.quantile_balance import qb_histogram
 from titan_moe.model.router import Router, topk_lowest_index_on_ties
 
 ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8"
-
-
-def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn()."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples)
 
 
 def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dtype: torch.dtype):

@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--job.config_file", "configs/debug.toml",
@@ -39,17 +37,15 @@ def train(dump: Path, steps: int) -> str:
     return result.stdout + result.stderr
 
 
-def losses(dump: Path) -> dict[int, float]:
+def losses(dump: Path, scalars_of) -> dict[int, float]:
     """Per-step loss from every TensorBoard run under dump (a resumed job writes a new run)."""
     out: dict[int, float] = {}
     for run_dir in sorted((dump / "tb").iterdir()):
-        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-        events.Reload()
-        out.update((s.step, s.value) for s in events.Scalars("loss_metrics/global_avg_loss"))
+        out.update(scalars_of(run_dir, "loss_metrics/global_avg_loss"))
     return out
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, scalars_of):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, 6)
     train(resumed, 3)
@@ -62,6 +58,6 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     log = train(resumed, 6)
     loaded = [line for line in log.splitlines() if "Loading the checkpoint from" in line]
     assert len(loaded) == 1 and loaded[0].rstrip(".").endswith("step-3"), loaded
-    want, got = losses(straight), losses(resumed)
+    want, got = losses(straight, scalars_of), losses(resumed, scalars_of)
     assert sorted(want) == [1, 2, 3, 4, 5, 6]
     assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]

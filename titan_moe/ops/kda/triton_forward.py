@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-CHUNK = 64
+from titan_moe.ops.kda import CHUNK_SIZE as CHUNK
+
 SUBTILE = 16
 # Width of the V blocks: U is written block by block, and the scan runs one program per block.
 V_BLOCK = 64
