@@ -4,9 +4,13 @@
     python bench/kda.py --device cpu --shapes 1,256,2,64  # smoke run on CPU (ours only)
 
 For each (B, T, H, D) in bf16 it times forward and forward+backward (median of --iters after
---warmup) and reports TFLOP/s with Kimi Linear's count per head, 6TD² + 3TCD + TC² for the
-forward (C = 64), tripled for forward+backward, plus the speed-up over fla and the peak memory
-of forward+backward. Gates are drawn in (−5, 0], the model's range. Prints a table, writes JSON.
+--warmup), two ways: with g given (log-decay in (-5, 0]) and with the gate fused into the
+kernels (ours: `chunk_kda_fused_gate`; fla: `use_gate_in_kernel=True`). It reports TFLOP/s with
+Kimi Linear's count per head, 6TD² + 3TCD + TC² for the forward (C = 64), tripled for
+forward+backward; GB/s of the compulsory traffic (inputs read once, outputs written once) and
+that as a share of the measured device-copy bandwidth (the roofline); the speed-up over fla;
+the peak memory of forward+backward. Then (--layer-memory) the peak memory of one proxy-sized
+KDA layer's forward+backward against T. Prints tables, writes JSON.
 fla's first call at a new shape autotunes for minutes: keep ~/.triton/cache between runs.
 """
 
@@ -18,16 +22,34 @@ from collections.abc import Callable
 import torch
 from timing import timed
 
-from titan_moe.ops.kda import CHUNK_SIZE, chunk_kda
+from titan_moe.model.args import get_flavor
+from titan_moe.model.kda import KimiDeltaAttention
+from titan_moe.ops.kda import CHUNK_SIZE, chunk_kda, chunk_kda_fused_gate
 
 ISSUE_SHAPES = "1,8192,16,128;2,16384,16,128;1,8192,96,128;8,4096,32,128;1,65536,16,128"
+LAYER_LENGTHS = "8192,16384,32768,65536"
+G_MIN = -5.0
 
 
 def forward_flops(b: int, t: int, h: int, d: int) -> float:
     return b * h * (6 * t * d * d + 3 * t * CHUNK_SIZE * d + t * CHUNK_SIZE * CHUNK_SIZE)
 
 
-def inputs(b, t, h, d, device, dtype):
+def compulsory_bytes(b: int, t: int, h: int, d: int, backward: bool) -> float:
+    """bf16 q, k, v, g (+ beta) read and o written; backward adds dO read, 5 gradients written."""
+    tensors = (4 + 1) + (1 + 4) if backward else 4 + 1
+    return 2.0 * b * t * h * (tensors * d + (2 if backward else 1))
+
+
+def copy_bandwidth(device: str) -> float:
+    """GB/s of a large device-to-device copy: the memory roofline as measured, not as quoted."""
+    src = torch.empty(2**28, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), device, 3, 10)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def inputs(b, t, h, d, device, dtype, fused):
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
@@ -36,13 +58,14 @@ def inputs(b, t, h, d, device, dtype):
     q = torch.nn.functional.normalize(rand(b, t, h, d), dim=-1).to(dtype)
     k = torch.nn.functional.normalize(rand(b, t, h, d), dim=-1).to(dtype)
     v = rand(b, t, h, d).to(dtype)
-    g = (-5 * torch.sigmoid(rand(b, t, h, d))).to(dtype)
+    g = rand(b, t, h, d).to(dtype) if fused else (G_MIN * torch.sigmoid(rand(b, t, h, d))).to(dtype)
     beta = torch.sigmoid(rand(b, t, h)).to(dtype)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+    gate = [torch.zeros(h, device=device), rand(h * d)] if fused else []
+    return [x.requires_grad_() for x in (q, k, v, g, beta, *gate)]
 
 
-def bench(impl: Callable, shape, device, dtype, warmup, iters) -> dict:
-    tensors = inputs(*shape, device, dtype)
+def bench(impl: Callable, shape, device, dtype, fused, warmup, iters, bandwidth) -> dict:
+    tensors = inputs(*shape, device, dtype, fused)
     grad = torch.randn_like(tensors[2])
 
     def fwd():
@@ -58,17 +81,55 @@ def bench(impl: Callable, shape, device, dtype, warmup, iters) -> dict:
     fwd_bwd_ms = timed(fwd_bwd, device, warmup, iters)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     flops = forward_flops(*shape)
+    gbps = compulsory_bytes(*shape, backward=True) / fwd_bwd_ms / 1e6
     return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
-            "fwd_bwd_tflops": 3 * flops / fwd_bwd_ms / 1e9, "peak_gib": peak}
+            "fwd_bwd_tflops": 3 * flops / fwd_bwd_ms / 1e9, "fwd_bwd_gbps": gbps,
+            "roofline_share": gbps / bandwidth, "peak_gib": peak}
 
 
-def fla_impl():
+def fla_impls() -> dict[str, Callable]:
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
     except ImportError:
-        return None
-    return lambda q, k, v, g, beta: fla_chunk_kda(q, k, v, g, beta, safe_gate=True,
-                                                  lower_bound=-5.0)
+        return {}
+
+    def plain(q, k, v, g, beta):
+        return fla_chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=G_MIN)
+
+    def fused(q, k, v, g, beta, A_log, dt_bias):
+        return fla_chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=G_MIN,
+                             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+
+    return {"fla": plain, "fla_fused": fused}
+
+
+def ours_fused(q, k, v, g_raw, beta, A_log, dt_bias):
+    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN)
+
+
+def layer_memory(lengths: list[int], device: str) -> list[dict]:
+    """Peak memory of one proxy KDA layer's bf16 forward+backward at batch 1, against T."""
+    torch.manual_seed(0)
+    args = get_flavor("proxy")
+    layer = KimiDeltaAttention(args).to(device)
+    layer.init_weights(0.02, 0.02)
+    rows = []
+    for t in lengths:
+        x = torch.randn(1, t, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        layer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().mean().backward()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        rows.append({"T": t, "peak_gib": peak, "mib_per_1k_tokens": peak * 2**10 / (t / 1024)})
+        print(f"KDA layer (proxy) T={t:>7}: peak {peak:7.2f} GiB above inputs, "
+              f"{rows[-1]['mib_per_1k_tokens']:7.1f} MiB per 1K tokens")
+        del x, y
+    return rows
 
 
 def main() -> None:
@@ -77,33 +138,48 @@ def main() -> None:
     parser.add_argument("--shapes", default=ISSUE_SHAPES, help="B,T,H,D;...")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-fla", action="store_true", help="time ours only")
+    parser.add_argument("--layer-memory", default=LAYER_LENGTHS,
+                        help="T values for the layer memory table ('' to skip; CUDA only)")
     parser.add_argument("--out", default="bench/kda.json")
     opts = parser.parse_args()
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
-    impls = {"titan_moe": chunk_kda}
-    fla = fla_impl() if opts.device == "cuda" else None
-    if fla is not None:
-        impls["fla"] = fla
+    impls = {"titan_moe": (chunk_kda, False), "titan_moe_fused": (ours_fused, True)}
+    fla = {} if opts.device != "cuda" or opts.no_fla else fla_impls()
+    if fla:
+        impls = {"titan_moe": impls["titan_moe"], "fla": (fla["fla"], False),
+                 "titan_moe_fused": impls["titan_moe_fused"], "fla_fused": (fla["fla_fused"], True)}
     else:
-        print("note: fla-core (CUDA) not available here; timing ours only")
+        print("note: fla-core (CUDA) not used here; timing ours only")
+    bandwidth = copy_bandwidth(opts.device)
+    print(f"measured copy bandwidth (roofline): {bandwidth:.0f} GB/s")
     rows = []
-    print(f"{'impl':<10} {'B':>2} {'T':>6} {'H':>3} {'D':>4} {'fwd ms':>8} {'f+b ms':>8} "
-          f"{'fwd TF/s':>9} {'f+b TF/s':>9} {'peak GiB':>9}")
+    print(f"{'impl':<16} {'B':>2} {'T':>6} {'H':>3} {'D':>4} {'fwd ms':>8} {'f+b ms':>8} "
+          f"{'fwd TF/s':>9} {'f+b TF/s':>9} {'f+b GB/s':>9} {'roof':>5} {'peak GiB':>9}")
     for text in opts.shapes.split(";"):
         shape = tuple(int(v) for v in text.split(","))
-        for name, impl in impls.items():
-            r = bench(impl, shape, opts.device, dtype, opts.warmup, opts.iters)
+        for name, (impl, fused) in impls.items():
+            r = bench(impl, shape, opts.device, dtype, fused, opts.warmup, opts.iters, bandwidth)
             rows.append({"impl": name, "shape": shape, **r})
-            print(f"{name:<10} {shape[0]:>2} {shape[1]:>6} {shape[2]:>3} {shape[3]:>4} "
+            print(f"{name:<16} {shape[0]:>2} {shape[1]:>6} {shape[2]:>3} {shape[3]:>4} "
                   f"{r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>8.3f} {r['fwd_tflops']:>9.2f} "
-                  f"{r['fwd_bwd_tflops']:>9.2f} {r['peak_gib']:>9.2f}")
-    if fla is not None:
-        ratios = [f["fwd_bwd_ms"] / o["fwd_bwd_ms"] for o, f in zip(rows[::2], rows[1::2],
-                                                                     strict=True)]
-        print(f"fwd+bwd speed-up over fla, geometric mean: "
-              f"{statistics.geometric_mean(ratios):.2f}x")
+                  f"{r['fwd_bwd_tflops']:>9.2f} {r['fwd_bwd_gbps']:>9.0f} "
+                  f"{r['roofline_share']:>5.2f} {r['peak_gib']:>9.2f}", flush=True)
+    speedups = {}
+    for ours, theirs in (("titan_moe", "fla"), ("titan_moe_fused", "fla_fused")):
+        pairs = [(o, f) for o in rows if o["impl"] == ours for f in rows
+                 if f["impl"] == theirs and f["shape"] == o["shape"]]
+        if pairs:
+            ratios = [f["fwd_bwd_ms"] / o["fwd_bwd_ms"] for o, f in pairs]
+            speedups[ours] = {"geomean": statistics.geometric_mean(ratios), "min": min(ratios)}
+            print(f"{ours} fwd+bwd speed-up over {theirs}: geometric mean "
+                  f"{speedups[ours]['geomean']:.2f}x, worst shape {min(ratios):.2f}x")
+    memory = []
+    if opts.device == "cuda" and opts.layer_memory:
+        memory = layer_memory([int(t) for t in opts.layer_memory.split(",")], opts.device)
     result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
-              "torch": torch.__version__, "dtype": str(dtype), "rows": rows}
+              "torch": torch.__version__, "dtype": str(dtype), "copy_gbps": bandwidth,
+              "rows": rows, "speedups": speedups, "layer_memory": memory}
     with open(opts.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {opts.out}")

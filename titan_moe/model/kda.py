@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_moe.model.args import TitanMoEArgs
-from titan_moe.ops.kda import chunk_kda, kda_gate
+from titan_moe.ops.kda import chunk_kda_fused_gate
 
 
 def causal_depthwise_conv(
@@ -72,9 +72,9 @@ class KimiDeltaAttention(nn.Module):
         q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
         k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
         beta = torch.sigmoid(self.w_beta(x).to(wide))
-        g = kda_gate(self.w_f_up(self.w_f_down(x)).view(shape), self.A_log, self.dt_bias,
-                     self.g_min)
-        o, _ = chunk_kda(q, k, v, g, beta, doc_ids=doc_ids)
+        g_raw = self.w_f_up(self.w_f_down(x)).view(shape)
+        o, _ = chunk_kda_fused_gate(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
+                                    doc_ids=doc_ids)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
         return self.w_o(o.reshape(b, t, -1))
 

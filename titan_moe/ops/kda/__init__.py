@@ -1,25 +1,40 @@
 """Kimi Delta Attention ops: S_t = S' + beta_t k_t (v_t - S'^T k_t)^T, S' = Diag(exp(g_t)) S_{t-1}.
 
-`chunk_kda` is the training entry point and picks an implementation by device; the plain-PyTorch
-chunked form serves every device until a fused kernel registers itself for one.
+`chunk_kda` and `chunk_kda_fused_gate` are the training entry points (fla's layout and
+semantics). On CUDA they run the Triton op (`chunk_triton.py`), which torch.compile traces with
+no graph break; elsewhere, and for the cases the op leaves out, the plain-PyTorch chunked form
+(`chunk.py`). The branch is on the device, in Python, before any op is called: Inductor cannot
+compile user Triton kernels for CPU tensors.
 """
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from titan_moe.ops.kda.chunk import chunk_kda_torch
+from titan_moe.ops.kda.chunk_triton import chunk_kda_triton
 from titan_moe.ops.kda.gate import kda_gate
+from titan_moe.ops.kda.intra_chunk import CHUNK as CHUNK_SIZE
 from titan_moe.ops.kda.naive import naive_recurrent_kda
+from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
 
-__all__ = ["CHUNK_SIZE", "chunk_kda", "chunk_kda_torch", "kda_gate", "naive_recurrent_kda"]
+__all__ = ["CHUNK_SIZE", "chunk_kda", "chunk_kda_fused_gate", "chunk_kda_torch",
+           "chunk_kda_triton", "kda_gate", "naive_recurrent_kda"]
 
-# The training chunk: 64 tokens = four 16-token diagonal tiles (spec §3).
-CHUNK_SIZE = 64
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Device type -> chunked implementation; the Triton kernel will register "cuda" here.
-CHUNK_KDA_BY_DEVICE: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {}
+
+def _use_triton(q: Tensor, cu_seqlens: Tensor | None, initial_state: Tensor | None,
+                output_final_state: bool) -> bool:
+    # Per-document initial and final states of cu_seqlens need per-document gathers inside a
+    # chunk that the op does not do; those (inference-side) calls take the PyTorch path.
+    per_doc_states = cu_seqlens is not None and (initial_state is not None or output_final_state)
+    return q.is_cuda and q.dtype in _TRITON_DTYPES and not per_doc_states
+
+
+def _documents(q: Tensor, cu_seqlens: Tensor | None, doc_ids: Tensor | None) -> Tensor | None:
+    if cu_seqlens is not None:
+        return doc_index_from_cu_seqlens(cu_seqlens, q.shape[1])[None]
+    return doc_ids
 
 
 def chunk_kda(
@@ -35,19 +50,50 @@ def chunk_kda(
     doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA with chunk_kda_torch's signature and semantics (fla layout, scale applied)."""
-    impl = CHUNK_KDA_BY_DEVICE.get(q.device.type, chunk_kda_torch)
     # The chunk math is fp32 by design (the gate's exponent range); AMP must not recast it.
     with torch.autocast(q.device.type, enabled=False):
-        return impl(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-            doc_ids=doc_ids,
+        if _use_triton(q, cu_seqlens, initial_state, output_final_state):
+            return chunk_kda_triton(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
+            )  # fmt: skip
+        return chunk_kda_torch(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, doc_ids=doc_ids,
             chunk_size=CHUNK_SIZE,
-        )
+        )  # fmt: skip
+
+
+def chunk_kda_fused_gate(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_raw: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    beta: Tensor,
+    g_min: float = -5.0,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    doc_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """chunk_kda with g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) computed by the kernels.
+
+    g_raw [B,T,H,K], A_log [H], dt_bias [H*K]; on CUDA the gate, its chunk-local cumsum and
+    their gradients never leave the Triton kernels.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        if _use_triton(q, cu_seqlens, initial_state, output_final_state):
+            return chunk_kda_triton(
+                q, k, v, g_raw, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
+                A_log=A_log, dt_bias=dt_bias, g_min=g_min,
+            )  # fmt: skip
+        g = kda_gate(g_raw, A_log, dt_bias, g_min)
+        return chunk_kda_torch(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, doc_ids=doc_ids,
+            chunk_size=CHUNK_SIZE,
+        )  # fmt: skip

@@ -48,7 +48,7 @@ def chunk_kda_torch(
     each row's end state). Without documents states are [B,H,K,V].
     Returns (o [B,T,H,V] in q's dtype, final state in float32/float64 or None).
     """
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens, doc_ids, chunk_size)
+    validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, doc_ids, chunk_size)
     batch, seq_len, heads, d_k = q.shape
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -236,7 +236,7 @@ def _document_final_states(
     return state.transpose(0, 1)
 
 
-def _validate(
+def validate_kda_inputs(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -247,6 +247,7 @@ def _validate(
     doc_ids: Tensor | None,
     chunk_size: int,
 ) -> None:
+    """Raise ValueError, naming the argument, for inputs chunked KDA cannot take."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B,T,H,K], got {list(q.shape)}")
     batch, seq_len, heads, d_k = q.shape

@@ -1,0 +1,190 @@
+"""The KDA Triton op, run by Triton's CPU interpreter, against the float64 chunked reference.
+
+The interpreter is picked when @triton.jit decorates and again when Triton lazily imports its
+own helpers, so TRITON_INTERPRET=1 has to hold for a whole process: flipping it inside the pytest
+process fails in Triton 3.6 and would turn other tests' kernels into interpreted ones. All cases
+therefore run in one child process (this file run as a script) that reports relative errors.
+`chunk_kda_torch` in float64 is the reference (it equals the recurrence to 1e-10,
+tests/ops/test_kda_reference.py). Outputs and every gradient are compared as relative RMS
+error, ||got - want|| / ||want||.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+FP32_RTOL = 1e-4  # float32 kernels (IEEE GEMMs) vs float64
+G_MIN = -5.0
+CHILD_TIMEOUT_S = 300
+GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+
+# name -> (batch, seq_len, heads, d_k, d_v, gate, documents, initial state + final state)
+CASES = {
+    "T100-random": (2, 100, 2, 32, 16, "random", None, True),
+    "T64-pinned": (1, 64, 1, 16, 32, "pinned", None, True),
+    "T130-near-zero": (1, 130, 1, 16, 16, "near_zero", None, False),
+    "doc-ids-mid-chunk": (2, 100, 2, 16, 16, "random", "doc_ids", True),
+    "cu-seqlens": (1, 150, 1, 16, 16, "random", "cu_seqlens", False),
+    "fused-gate-K24-V80": (1, 70, 2, 24, 80, "fused", None, True),
+}
+
+
+def make_inputs(batch, seq_len, heads, d_k, d_v, gate, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, seq_len, heads, d_k)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    q = F.normalize(torch.randn(shape, **f64), dim=-1)
+    k = F.normalize(torch.randn(shape, **f64), dim=-1)
+    v = torch.randn(batch, seq_len, heads, d_v, **f64)
+    u = torch.rand(shape, **f64)
+    g = {"pinned": torch.full(shape, G_MIN, dtype=torch.float64), "near_zero": -1e-3 * u,
+         "random": G_MIN * u, "fused": 3 * torch.randn(shape, **f64)}[gate]
+    beta = torch.rand(batch, seq_len, heads, **f64)
+    h0 = torch.randn(batch, heads, d_k, d_v, **f64)
+    gate_params = (0.5 * torch.randn(heads, **f64), torch.randn(heads * d_k, **f64))
+    return q, k, v, g, beta, h0, gate_params
+
+
+def documents(kind, batch, seq_len):
+    if kind == "doc_ids":
+        doc = torch.zeros(batch, seq_len, dtype=torch.long)
+        doc[:, 37:] = 1  # starts inside the first chunk
+        doc[0, 64:] = 2  # starts exactly at a chunk boundary
+        doc[1, 70:] = 2
+        return {"doc_ids": doc}, doc
+    if kind == "cu_seqlens":
+        # An empty document, one shorter than a 16-token tile, one across two chunk boundaries.
+        cu = torch.tensor([0, 5, 5, 40, 140, 150])
+        from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
+
+        return {"cu_seqlens": cu}, doc_index_from_cu_seqlens(cu, seq_len)[None]
+    return {}, None
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states) -> dict:
+    """Triton op (float32) vs chunk_kda_torch (float64), outputs and gradients."""
+    from titan_moe.ops.kda import chunk_kda_torch, chunk_kda_triton, kda_gate
+
+    q, k, v, g, beta, h0, (A_log, dt_bias) = make_inputs(batch, seq_len, heads, d_k, d_v, gate)
+    ref_docs, doc = documents(doc_kind, batch, seq_len)
+    leaves = [q, k, v, g, beta] + ([h0] if with_states else [])
+    fused = gate == "fused"
+    if fused:
+        leaves += [A_log, dt_bias]
+    leaves = [x.requires_grad_() for x in leaves]
+    initial = leaves[5] if with_states else None
+
+    g_ref = kda_gate(leaves[3], leaves[-2], leaves[-1], G_MIN) if fused else leaves[3]
+    o_ref, s_ref = chunk_kda_torch(*leaves[:3], g_ref, leaves[4], initial_state=initial,
+                                   output_final_state=with_states, **ref_docs)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+    loss_ref = (o_ref * do).sum()
+    if with_states:
+        ds = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64)
+        loss_ref = loss_ref + (s_ref * ds).sum()
+    want = torch.autograd.grad(loss_ref, leaves)
+
+    ours = [x.detach().float().requires_grad_() for x in leaves]
+    gate_args = dict(A_log=ours[-2], dt_bias=ours[-1], g_min=G_MIN) if fused else {}
+    # An exp beyond fp32's range inside a kernel surfaces as a NumPy RuntimeWarning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        o, s = chunk_kda_triton(*ours[:5], initial_state=ours[5] if with_states else None,
+                                output_final_state=with_states, doc=doc, **gate_args)
+        loss = (o * do.float()).sum()
+        if with_states:
+            loss = loss + (s * ds.float()).sum()
+        got = torch.autograd.grad(loss, ours)
+    names = list(GRADS[:5]) + (["initial_state"] if with_states else [])
+    names += ["A_log", "dt_bias"] if fused else []
+    report = {"o": rel_rms(o, o_ref), "o_dtype_ok": o.dtype == torch.float32}
+    report["final_state"] = rel_rms(s, s_ref) if with_states else None
+    report.update({f"d_{n}": rel_rms(a, b) for n, a, b in zip(names, got, want, strict=True)})
+    return report
+
+
+def run_opcheck() -> dict:
+    """torch.library.opcheck: the op's schema and autograd registration.
+
+    The fake-tensor check runs on the GPU (tests/gpu/test_kda_triton_cuda.py): under the CPU
+    interpreter Triton touches the fake tensors' storage.
+    """
+    from titan_moe.ops.kda.chunk_triton import chunk_kda_fwd
+
+    q, k, v, g, beta, h0, _ = make_inputs(1, 80, 1, 16, 16, "random")
+    args = [x.float().requires_grad_() for x in (q, k, v, g, beta)]
+    args += [None, None, None, h0.float(), 16**-0.5, G_MIN, True]
+    tests = ("test_schema", "test_autograd_registration")
+    return {name: str(result) for name, result in
+            torch.library.opcheck(chunk_kda_fwd, args, test_utils=tests).items()}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                           timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_op_matches_float64_reference(results, name):
+    report = results[name]
+    assert "error" not in report, report.get("error")
+    assert report["o_dtype_ok"]
+    errors = {key: value for key, value in report.items() if key != "o_dtype_ok"}
+    for key, value in errors.items():
+        if value is not None:
+            assert value <= FP32_RTOL, (key, value)
+    assert (report["final_state"] is None) == (not CASES[name][-1])
+
+
+def test_opcheck_schema_and_autograd(results):
+    report = results["opcheck"]
+    assert "error" not in report, report.get("error")
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_cpu_path_compiles_fullgraph_and_matches_eager():
+    """On CPU the fused-gate entry is the PyTorch path; it compiles with fullgraph=True."""
+    from titan_moe.ops.kda import chunk_kda_fused_gate
+
+    q, k, v, g_raw, beta, _, (A_log, dt_bias) = make_inputs(1, 96, 2, 16, 16, "fused")
+    args = [x.float().requires_grad_() for x in (q, k, v, g_raw, A_log, dt_bias, beta)]
+    doc_ids = torch.zeros(1, 96, dtype=torch.long)
+    doc_ids[:, 50:] = 1
+
+    def run(fn):
+        o, _ = fn(*args, doc_ids=doc_ids)
+        return [o, *torch.autograd.grad(o.square().sum(), args)]
+
+    eager = run(chunk_kda_fused_gate)
+    compiled = run(torch.compile(chunk_kda_fused_gate, fullgraph=True))
+    for got, want in zip(compiled, eager, strict=True):
+        assert rel_rms(got, want.double()) <= FP32_RTOL
+
+
+if __name__ == "__main__":
+    out = {}
+    for case_name, case in CASES.items():
+        try:
+            out[case_name] = run_case(*case)
+        except Exception as error:  # reported per case so one failure names itself
+            out[case_name] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        out["opcheck"] = run_opcheck()
+    except Exception as error:
+        out["opcheck"] = {"error": f"{type(error).__name__}: {error}"}
+    print(json.dumps(out))

@@ -1,0 +1,45 @@
+"""KDA output in Triton: O = (Gamma * Q) S + A_qk V~ per chunk (spec §3).
+
+Parallel over (chunk, V block, batch*head), once the scan has written the state S entering
+each chunk and V~. With packed documents only the rows continuing from the previous chunk read
+S (A_qk is already zero across documents). Numeric range: exp(G_r) <= 1.
+"""
+
+import triton
+import triton.language as tl
+
+from titan_moe.ops.kda.intra_chunk import chunk_documents
+
+
+@triton.jit
+def chunk_output_kernel(
+    q, G, A_qk, h_states, v_new, doc, o, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """o [B,T,H,V] in o's dtype."""
+    chunk, v_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    n_chunks = tl.num_programs(0)
+    Tp = n_chunks * C
+    t0 = chunk * C
+    rows = tl.arange(0, C)
+    valid = t0 + rows < T
+    cols_k = tl.arange(0, BK)
+    cols_v = v_block * BV + tl.arange(0, BV)
+    k_ok, v_ok = cols_k < K, cols_v < V
+    d, d_before, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    cont = (d == d_before) & valid
+    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    q_c = tl.load(q + in_offs, mask=cont[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+    S = tl.load(h_states + ((b * n_chunks + chunk) * H + h) * K * V + cols_k[:, None] * V
+                + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    A = tl.load(A_qk + ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :])
+    v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
+    v_c = tl.load(v_new + v_offs, mask=v_ok[None, :], other=0.0)
+    out = tl.dot(q_c * scale * tl.exp(G_c), S, input_precision=PRECISION)
+    out += tl.dot(A, v_c, input_precision=PRECISION)
+    o_offs = ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
+    tl.store(o + o_offs, out.to(o.dtype.element_ty), mask=valid[:, None] & v_ok[None, :])

@@ -1,0 +1,235 @@
+"""Chunked KDA as a user-defined Triton op that torch.compile traces (fullgraph, no break).
+
+    forward:  chunk_intra -> state_scan_fwd -> chunk_output                      (3 kernels)
+    backward: chunk_intra, state_scan_fwd (recomputed), state_scan_bwd, intra_chunk_bwd (4)
+
+`titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
+Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
+registered on the forward op. The forward keeps only its inputs: W, U, the per-chunk states
+and V~ are recomputed in the backward, so memory stays linear in T. With `A_log`/`dt_bias`
+the kernels compute the lower-bounded gate g = g_min sigmoid(exp(A_log) (g_raw + dt_bias))
+themselves, and its chunk-local cumsum, and return the gradient of g_raw.
+
+Inductor cannot compile user Triton kernels for CPU tensors, so callers pick this op for CUDA
+tensors only (`titan_moe.ops.kda.chunk_kda` branches on the device); tests call it on CPU
+under TRITON_INTERPRET=1.
+"""
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from titan_moe.ops.kda.chunk import validate_kda_inputs
+from titan_moe.ops.kda.chunk_output import chunk_output_kernel
+from titan_moe.ops.kda.gate import validate_gate_params
+from titan_moe.ops.kda.intra_chunk import CHUNK, SUBTILE, chunk_intra_kernel
+from titan_moe.ops.kda.intra_chunk_bwd import intra_chunk_bwd_kernel
+from titan_moe.ops.kda.state_scan import state_scan_bwd_kernel, state_scan_fwd_kernel
+
+# V blocks of the scans (the sequential part runs one program per V block and head) and of
+# the backward's inner loops; K blocks of the backward.
+BLOCK_V = 64
+BLOCK_K_BWD = 64
+MAX_HEAD_DIM = 256
+
+
+def _precision(x: Tensor) -> str:
+    # float32 inputs get IEEE fp32 GEMMs (the 1e-4 test bound); half precision gets tf32.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _blocks(d_k: int, d_v: int) -> tuple[int, int, int]:
+    block_k = max(triton.next_power_of_2(d_k), 16)
+    block_v = min(max(triton.next_power_of_2(d_v), 16), BLOCK_V)
+    return block_k, block_v, min(block_k, BLOCK_K_BWD)
+
+
+def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
+    batch, seq_len, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    n_chunks = triton.cdiv(seq_len, CHUNK)
+    padded = n_chunks * CHUNK
+    block_k, block_v, _ = _blocks(d_k, d_v)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    G = torch.empty(batch, padded, heads, d_k, **f32)
+    A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
+    KK = torch.empty_like(A_qk) if store_bwd else None
+    Tinv = torch.empty_like(A_qk) if store_bwd else None
+    W = torch.empty(batch, padded, heads, d_k, **f32)
+    U = torch.empty(batch, padded, heads, d_v, **f32)
+    wrap_triton(chunk_intra_kernel)[(n_chunks, batch * heads)](
+        q, k, v, g, beta, doc, A_log, dt_bias, G, A_qk, KK, Tinv, W, U, scale, g_min, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, SUBTILE=SUBTILE,
+        HAS_DOCS=doc is not None, FUSED_GATE=A_log is not None, STORE_BWD=store_bwd,
+        PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+    return G, A_qk, KK, Tinv, W, U
+
+
+def _scan(k, G, W, U, doc, initial_state, output_final_state):
+    batch, seq_len, heads, d_k = k.shape
+    d_v = U.shape[-1]
+    n_chunks = triton.cdiv(seq_len, CHUNK)
+    block_k, block_v, _ = _blocks(d_k, d_v)
+    f32 = dict(device=k.device, dtype=torch.float32)
+    h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
+    v_new = torch.empty_like(U)
+    final = torch.empty(batch, heads, d_k, d_v, **f32) if output_final_state else None
+    wrap_triton(state_scan_fwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
+        k, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        HAS_INITIAL=initial_state is not None, STORE_FINAL=output_final_state,
+        PRECISION=_precision(k), num_warps=8,
+    )  # fmt: skip
+    return h_states, v_new, final
+
+
+@triton_op("titan_moe::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    scale: float,
+    g_min: float,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    """(o [B,T,H,V] in q's dtype, final state [B,H,K,V] fp32, empty unless asked for)."""
+    batch, seq_len, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    G, A_qk, _, _, W, U = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
+    h_states, v_new, final = _scan(k, G, W, U, doc, initial_state, output_final_state)
+    o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
+    block_k, block_v, _ = _blocks(d_k, d_v)
+    grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
+    wrap_triton(chunk_output_kernel)[grid](
+        q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        PRECISION=_precision(q), num_warps=4,
+    )  # fmt: skip
+    return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@triton_op("titan_moe::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    do: Tensor,
+    d_final: Tensor | None,
+    scale: float,
+    g_min: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one)."""
+    batch, seq_len, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    n_chunks = triton.cdiv(seq_len, CHUNK)
+    block_k, block_v, block_k_bwd = _blocks(d_k, d_v)
+    G, A_qk, KK, Tinv, W, U = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
+    h_states, v_new, _ = _scan(k, G, W, U, doc, initial_state, False)
+
+    dh_states = torch.empty_like(h_states)
+    dv_new = torch.empty_like(v_new)
+    d_initial = torch.empty_like(initial_state) if initial_state is not None else None
+    wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
+        q, k, G, W, A_qk, doc, do, d_final, dh_states, dv_new, d_initial, scale, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
+        PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    dbeta = torch.empty(beta.shape, device=beta.device, dtype=torch.float32)
+    wrap_triton(intra_chunk_bwd_kernel)[(n_chunks, batch * heads)](
+        q, k, v, g, beta, doc, A_log, dt_bias, G, KK, Tinv, h_states, dh_states, v_new, dv_new,
+        do, dq, dk, dv, dg, dbeta, scale, g_min, seq_len,
+        H=heads, K=d_k, V=d_v, BKB=block_k_bwd, BV=block_v, C=CHUNK, SUBTILE=SUBTILE,
+        HAS_DOCS=doc is not None, FUSED_GATE=A_log is not None, PRECISION=_precision(q),
+        num_warps=8,
+    )  # fmt: skip
+    if d_initial is None:
+        d_initial = q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dg, dbeta, d_initial
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _ = inputs
+    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state)
+    ctx.scale, ctx.g_min = scale, g_min
+
+
+def _backward(ctx, do: Tensor, d_final: Tensor | None):
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state = ctx.saved_tensors
+    if d_final is not None and d_final.numel() == 0:
+        d_final = None
+    dq, dk, dv, dg, dbeta, d_initial = chunk_kda_bwd(
+        q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
+        None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min,
+    )  # fmt: skip
+    dA_log = d_dt_bias = None
+    if A_log is not None:
+        # dg is the gradient of g_raw: d gate / d A_log = (d gate / d g_raw) (g_raw + dt_bias).
+        heads, d_k = g.shape[-2:]
+        d_dt_bias = dg.sum((0, 1)).reshape(-1).to(dt_bias.dtype)
+        pre = g.float() + dt_bias.float().view(heads, d_k)
+        dA_log = (dg * pre).sum((0, 1, 3)).to(A_log.dtype)
+    return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), None, dA_log, d_dt_bias,
+            None if initial_state is None else d_initial.to(initial_state.dtype),
+            None, None, None)
+
+
+chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunk_kda_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    doc: Tensor | None = None,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    g_min: float = -5.0,
+) -> tuple[Tensor, Tensor | None]:
+    """q, k, g: [B,T,H,K]; v: [B,T,H,V]; beta: [B,T,H]; states [B,H,K,V]; doc [B,T] int32.
+
+    `doc` gives each token's document (nondecreasing per row); the state restarts from zero at
+    every change and initial_state seeds each row's first document. With A_log [H] and dt_bias
+    [H*K], g is the raw gate input. Returns (o in q's dtype, final state fp32 or None).
+    """
+    validate_kda_inputs(q, k, v, g, beta, initial_state, None, doc, CHUNK)
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("give both A_log and dt_bias (the fused gate) or neither")
+    if A_log is not None:
+        validate_gate_params(q.shape[2], q.shape[3], A_log, dt_bias)
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    if d_k > MAX_HEAD_DIM or d_v > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got K={d_k}, V={d_v}")
+    scale = d_k**-0.5 if scale is None else scale
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    o, final = chunk_kda_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        None if doc is None else doc.to(torch.int32).contiguous(),
+        None if A_log is None else A_log.contiguous(),
+        None if dt_bias is None else dt_bias.contiguous(),
+        initial_state, float(scale), float(g_min), output_final_state,
+    )  # fmt: skip
+    return o, final if output_final_state else None
