@@ -132,6 +132,24 @@ def layer_memory(lengths: list[int], device: str) -> list[dict]:
     return rows
 
 
+def kernel_profile(impl: Callable, shape, device, dtype, fused) -> list[dict]:
+    """Per-kernel device time of one forward+backward (torch.profiler), largest first."""
+    tensors = inputs(*shape, device, dtype, fused)
+    grad = torch.randn_like(tensors[2])
+    impl(*tensors)[0].backward(grad)
+    activity = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[activity.CPU, activity.CUDA]) as prof:
+        impl(*tensors)[0].backward(grad)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = sorted(({"kernel": e.key, "calls": e.count, "ms": e.device_time_total / 1e3}
+                   for e in events), key=lambda r: -r["ms"])
+    print(f"kernels of one fwd+bwd at {shape}:")
+    for r in rows[:12]:
+        print(f"  {r['ms']:8.3f} ms  x{r['calls']:<3} {r['kernel'][:90]}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -141,6 +159,8 @@ def main() -> None:
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--layer-memory", default=LAYER_LENGTHS,
                         help="T values for the layer memory table ('' to skip; CUDA only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel device times of ours at each shape (CUDA)")
     parser.add_argument("--out", default="bench/kda.json")
     opts = parser.parse_args()
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
@@ -165,6 +185,11 @@ def main() -> None:
                   f"{r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>8.3f} {r['fwd_tflops']:>9.2f} "
                   f"{r['fwd_bwd_tflops']:>9.2f} {r['fwd_bwd_gbps']:>9.0f} "
                   f"{r['roofline_share']:>5.2f} {r['peak_gib']:>9.2f}", flush=True)
+    profiles = {}
+    if opts.profile and opts.device == "cuda":
+        for text in opts.shapes.split(";"):
+            shape = tuple(int(v) for v in text.split(","))
+            profiles[text] = kernel_profile(chunk_kda, shape, opts.device, dtype, False)
     speedups = {}
     for ours, theirs in (("titan_moe", "fla"), ("titan_moe_fused", "fla_fused")):
         pairs = [(o, f) for o in rows if o["impl"] == ours for f in rows
@@ -179,7 +204,8 @@ def main() -> None:
         memory = layer_memory([int(t) for t in opts.layer_memory.split(",")], opts.device)
     result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype), "copy_gbps": bandwidth,
-              "rows": rows, "speedups": speedups, "layer_memory": memory}
+              "rows": rows, "speedups": speedups, "layer_memory": memory,
+              "kernel_profiles": profiles}
     with open(opts.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {opts.out}")
