@@ -46,6 +46,8 @@ class Layout:
     selective_ac_option: str = "2"
     sharding: str = "fsdp2"
     param_dtype: str = "float32"
+    compile_backend: str | None = None
+    simple_fsdp_passes: str = "none"
     name: str = field(default="")
 
 
@@ -70,7 +72,9 @@ def job_config(layout: Layout):
     config.parallelism.expert_parallel_degree = layout.ep
     config.training.mixed_precision_param = layout.param_dtype
     config.training.mixed_precision_reduce = "float32"
-    config.compile.enable = False
+    config.compile.enable = layout.compile_backend is not None
+    config.compile.backend = layout.compile_backend or "inductor"
+    config.parallelism.simple_fsdp_passes = layout.simple_fsdp_passes
     return config
 
 
@@ -141,7 +145,9 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
     dist.init_process_group("gloo")
     results = {layout.name: train(layout) for layout in layouts}
     if world_size == 2:
-        results["dtypes"] = fp32_island_dtypes(Layout(2, param_dtype="bfloat16"))
+        for sharding in ("fsdp2", "simple_fsdp"):
+            layout = Layout(2, sharding=sharding, param_dtype="bfloat16")
+            results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
