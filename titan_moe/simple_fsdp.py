@@ -37,32 +37,44 @@ def apply_simple_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
 ) -> nn.Module:
-    from titan_moe.parallelize import FP32_MODULES, fp32_islands
-
     if parallel_dims.dp_replicate_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.fsdp_enabled else ["dp_replicate"]
         mode = "hybrid_shard" if parallel_dims.fsdp_enabled else "replicate"
     else:
         names, mode = ["fsdp"], "fully_shard"
-    sharded = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
-    if sharded:
-        mesh = parallel_dims.get_mesh(names)
-        if fp32_islands(True, param_dtype):
-            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-            for module in [m for m in model.modules() if isinstance(m, FP32_MODULES)]:
-                data_parallel(module, mesh, mode=mode, mp_policy=fp32)
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        model = data_parallel(model, mesh, mode=mode, mp_policy=policy)
-        _init_on_shards(model)
+    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+        model = shard_simple_fsdp(model, parallel_dims.get_mesh(names), mode, param_dtype,
+                                  reduce_dtype)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        passes = job_config.parallelism.simple_fsdp_passes
-        compile_config = types.SimpleNamespace(
-            backend=job_config.compile.backend, graph_passes=None if passes == "none" else passes
-        )
         reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
-        backend = get_compile_backend_with_passes(compile_config, reshard, layer_buckets(model))
-        model = torch.compile(model, backend=backend, fullgraph=True)
+        model = compile_simple_fsdp(model, job_config.compile.backend,
+                                    job_config.parallelism.simple_fsdp_passes, reshard)
     return model
+
+
+def shard_simple_fsdp(model: TitanMoE, mesh, mode: str, param_dtype: torch.dtype,
+                      reduce_dtype: torch.dtype) -> TitanMoE:
+    """SimpleFSDP's data_parallel over `mesh`, the fp32 islands first with an fp32 policy."""
+    from titan_moe.parallelize import FP32_MODULES, fp32_islands
+
+    if fp32_islands(True, param_dtype):
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for module in [m for m in model.modules() if isinstance(m, FP32_MODULES)]:
+            data_parallel(module, mesh, mode=mode, mp_policy=fp32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = data_parallel(model, mesh, mode=mode, mp_policy=policy)
+    _init_on_shards(model)
+    return model
+
+
+def compile_simple_fsdp(model: TitanMoE, backend: str, passes: str, reshard: bool) -> nn.Module:
+    """The whole model in one fullgraph compile, with the bucketing pass `passes` (or none)."""
+    compile_config = types.SimpleNamespace(
+        backend=backend, graph_passes=None if passes == "none" else passes
+    )
+    compiled_backend = get_compile_backend_with_passes(compile_config, reshard,
+                                                       layer_buckets(model))
+    return torch.compile(model, backend=compiled_backend, fullgraph=True)
 
 
 def _init_on_shards(model: TitanMoE) -> None:
