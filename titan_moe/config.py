@@ -69,6 +69,53 @@ class Training(tt_config.Training):
     """Skip documents shorter than this many tokens (the long-context stages' data mix)."""
 
 
+# --- Scale: sharding choice and float8 training (issue 7) ---------------------------------------
+
+
+@dataclass
+class Parallelism(tt_config.Parallelism):
+    sharding: Literal["fsdp2", "simple_fsdp"] = "fsdp2"
+    """How data-parallel ranks shard the model: FSDP2 (fully_shard, per block) or torchtitan's
+    SimpleFSDP (DTensor parametrization; the compiler places the collectives)."""
+    simple_fsdp_passes: Literal["none", "auto_bucketing", "transformer_block_bucketing"] = "none"
+    """SimpleFSDP only: Inductor's collective bucketing/reordering pass on the compiled model."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """torchao float8 training for the dense nn.Linear layers (CUDA capability >= 8.9)."""
+    recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = "rowwise"
+    """torchao 0.18 Float8LinearConfig recipe."""
+    filter_min_size: int = 1024
+    """Linears with in_features or out_features below this stay bf16 (too small to gain)."""
+    skip: list[str] = field(default_factory=lambda: ["output"])
+    """Module name suffixes that stay bf16 (the LM head by default; the router is no Linear)."""
+    moe: bool = False
+    """Float8 rowwise grouped GEMMs for the routed experts (torchao MoE training, sm90+)."""
+    emulate: bool = False
+    """Emulated float8 (tests on CPU): numerics of float8 without float8 hardware."""
+
+
+def _check_scale(job_config: Any, device_type: str) -> None:
+    from float8 import check_float8_hardware
+
+    check_float8_hardware(job_config.float8, device_type)
+    parallelism = job_config.parallelism
+    if parallelism.sharding == "simple_fsdp" and parallelism.expert_parallel_degree > 1:
+        raise ConfigError(
+            "parallelism.sharding = 'simple_fsdp' supports expert_parallel_degree = 1 only; "
+            "use sharding = 'fsdp2' with expert parallelism"
+        )
+    if parallelism.simple_fsdp_passes != "none" and parallelism.sharding != "simple_fsdp":
+        raise ConfigError(
+            "parallelism.simple_fsdp_passes needs parallelism.sharding = 'simple_fsdp'"
+        )
+
+
+# -------------------------------------------------------------------------------------------------
+
+
 def model_args_class(model_name: str) -> type:
     """The model-args dataclass of a train spec (ours is imported lazily)."""
     if model_name == MODEL_NAME:
@@ -106,13 +153,16 @@ def overrides_section(args_cls: type) -> type:
 
 
 def job_config_class(args_cls: type) -> type:
-    """torchtitan's JobConfig with our model defaults, `training.device` and `[titan_moe]`."""
+    """torchtitan's JobConfig with our model defaults, `training.device`, `parallelism.sharding`,
+    `[float8]` and `[titan_moe]`."""
     section = overrides_section(args_cls)
     return make_dataclass(
         "TitanMoEJobConfig",
         [
             ("model", Model, field(default_factory=Model)),
             ("training", Training, field(default_factory=Training)),
+            ("parallelism", Parallelism, field(default_factory=Parallelism)),
+            ("float8", Float8, field(default_factory=Float8)),
             (MODEL_NAME, section, field(default_factory=section)),
         ],
         bases=(tt_config.JobConfig,),
@@ -277,6 +327,7 @@ def _check_semantics(job_config: Any) -> None:
             "checkpoint.create_seed_checkpoint needs NGPU=1 and checkpoint.enable = true"
         )
     _check_profiling(job_config.profiling, device_type)
+    _check_scale(job_config, device_type)
     _check_data(job_config)
     flavor_args = _flavor_args(job_config)
     seq_lens = [("training.seq_len", job_config.training.seq_len)]

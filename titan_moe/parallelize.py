@@ -1,65 +1,188 @@
-"""Apply activation checkpointing, per-layer compile and FSDP2 to a TitanMoE, from the TOML.
+"""Apply float8, expert parallelism, activation checkpointing, per-block compile and sharding
+(FSDP2 or SimpleFSDP) to a TitanMoE, from the TOML, on torchtitan's ParallelDims.
 
 Parallelism is applied from outside the model (torchtitan style): the model code knows nothing
-of meshes. Order matters: AC wraps a layer, compile wraps the AC-wrapped layer, FSDP shards last.
+of meshes. Order matters: float8 swaps modules first, EP shards the experts over the ep mesh,
+AC wraps a layer, compile wraps what runs between FSDP units, sharding comes last.
+
+    dense parameters     FSDP2 over the dp mesh (dp_replicate × fsdp), one unit per layer
+    routed experts       Shard(0) over ep, then FSDP2 over efsdp (the dp ranks left over)
+    fp32 islands         AttnRes queries/gains, the router, every RMSNorm: one FSDP unit per layer
+                         with an fp32 policy, so mixed_precision_param = bf16 never rounds them
+                         (spec §2, §5); QB buffers are buffers, never cast.
 """
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from titan_moe.expert_parallel import apply_expert_parallel
+from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.model import TitanMoE
+from titan_moe.model.moe import GroupedExperts
+from titan_moe.model.router import Router
+
+# Selective op-level AC keeps these outputs and recomputes the rest (torchtitan's llama list
+# plus the grouped GEMM of the routed experts).
+OP_SAC_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_attention_math.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+FP32_MODULES = (AttnResSite, Router, nn.RMSNorm)
+
+_DEGREE_FIELD = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
+                 "cp": "context_parallel_degree", "etp": "expert_tensor_parallel_degree"}
 
 
 def parallelize_titan_moe(
     model: TitanMoE, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    unsupported = {"tp": parallel_dims.tp_enabled, "pp": parallel_dims.pp_enabled,
-                   "cp": parallel_dims.cp_enabled, "ep": parallel_dims.ep_enabled}
-    for name, enabled in unsupported.items():
-        if enabled:
-            raise ValueError(
-                f"parallelism.{_DEGREE_FIELD[name]} > 1 is not supported yet by titan_moe; "
-                "allowed: 1 (use data_parallel_shard_degree for FSDP)"
-            )
+    _reject_unsupported(parallel_dims)
+    _apply_float8(model, job_config)
+    if parallel_dims.ep_enabled:
+        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model)
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
+                 op_sac_save_list=OP_SAC_SAVE_LIST, base_folder=job_config.job.dump_folder)
+    param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    reduce_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]
+    if job_config.parallelism.sharding == "simple_fsdp":
+        from titan_moe.simple_fsdp import apply_simple_fsdp
+
+        return apply_simple_fsdp(model, parallel_dims, job_config, param_dtype, reduce_dtype)
+    shard = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
     if compile_model:
-        for layer_id, layer in model.layers.named_children():
-            model.layers.register_module(
-                layer_id, torch.compile(layer, backend=job_config.compile.backend, fullgraph=True)
-            )
-    if parallel_dims.fsdp_enabled:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        apply_fsdp(
-            model,
-            parallel_dims.get_mesh(names),
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-        )
+        units = fsdp_units(model, parallel_dims.ep_enabled, fp32_islands(shard, param_dtype))
+        apply_compile(model, job_config.compile.backend, units)
+    if shard:
+        dp_mesh = parallel_dims.get_mesh(
+            ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
+        expert_mesh = parallel_dims.get_mesh("efsdp") if parallel_dims.ep_enabled else None
+        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, expert_mesh)
     return model
 
 
-_DEGREE_FIELD = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
-                 "cp": "context_parallel_degree", "ep": "expert_parallel_degree"}
+def _reject_unsupported(parallel_dims: ParallelDims) -> None:
+    enabled = {"tp": parallel_dims.tp_enabled, "pp": parallel_dims.pp_enabled,
+               "cp": parallel_dims.cp_enabled, "etp": parallel_dims.etp_enabled}
+    for name, on in enabled.items():
+        if on:
+            raise ValueError(
+                f"parallelism.{_DEGREE_FIELD[name]} > 1 is not supported by titan_moe; allowed: "
+                "1 (use data_parallel_shard_degree for FSDP, expert_parallel_degree for EP)"
+            )
 
 
-def apply_fsdp(model: TitanMoE, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """One FSDP unit per decoder layer, one for the embedding, one for the head, then the root.
+def _apply_float8(model: nn.Module, job_config: JobConfig) -> None:
+    cfg = getattr(job_config, "float8", None)
+    if cfg is None:
+        return
+    from float8 import convert_dense_linears, convert_routed_experts
+
+    if cfg.enable:
+        convert_dense_linears(model, cfg)
+    if cfg.moe:
+        convert_routed_experts(model, cfg)
+
+
+def fp32_islands(shard: bool, param_dtype: torch.dtype) -> bool:
+    """Whether the fp32 modules need their own FSDP units: only when sharding casts parameters."""
+    return shard and param_dtype != torch.float32
+
+
+def fsdp_units(model: TitanMoE, expert_parallel: bool, fp32: bool) -> set[nn.Module]:
+    """The modules inside the decoder layers that become FSDP units of their own."""
+    units: set[nn.Module] = set()
+    for layer in model.layers.values():
+        for module in layer.modules():
+            if (fp32 and isinstance(module, FP32_MODULES)) or (
+                expert_parallel and isinstance(module, GroupedExperts)
+            ):
+                units.add(module)
+    return units
+
+
+def apply_compile(model: TitanMoE, backend: str, units: set[nn.Module]) -> None:
+    """torch.compile(fullgraph=True) per decoder layer; around nested FSDP units instead.
+
+    An FSDP unit's hooks break a fullgraph trace, so a layer holding units is compiled piecewise:
+    every maximal submodule free of units is compiled whole, and a unit's own `forward` is
+    compiled (its FSDP hooks stay outside, on __call__). The EP experts stay eager (their
+    all-to-all splits are read on the host).
+    """
+    for layer_id, layer in model.layers.named_children():
+        model.layers.register_module(layer_id, _compile_around(layer, backend, units))
+
+
+def _compile_around(module: nn.Module, backend: str, units: set[nn.Module]) -> nn.Module:
+    if not any(m in units for m in module.modules()):
+        return torch.compile(module, backend=backend, fullgraph=True)
+    if module in units:
+        if not isinstance(module, GroupedExperts):
+            module.forward = torch.compile(module.forward, backend=backend, fullgraph=True)
+        return module
+    for name, child in list(module.named_children()):
+        module.register_module(name, _compile_around(child, backend, units))
+    return module
+
+
+def apply_fsdp(
+    model: TitanMoE,
+    mesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    expert_mesh=None,
+) -> None:
+    """FSDP2 units: per layer (experts and fp32 islands first, as units of their own), the
+    embedding, the head, then the root.
 
     Gradient division is left to the trainer, which scales the loss by the global token count.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fp32_policy = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    islands = fp32_islands(True, param_dtype)
     fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=policy)
     for layer in model.layers.values():
+        if expert_mesh is not None:
+            for experts in (m for m in layer.modules() if isinstance(m, GroupedExperts)):
+                fully_shard(experts, mesh=expert_mesh, mp_policy=policy,
+                            shard_placement_fn=_expert_placement(expert_mesh.size()))
+        if islands:
+            fp32 = [m for m in layer.modules() if isinstance(m, FP32_MODULES)]
+            fully_shard(fp32, mesh=mesh, mp_policy=fp32_policy)
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard([model.final_site, model.norm, model.output], mesh=mesh, mp_policy=policy,
-                reshard_after_forward=False)
+    head = [model.final_site, model.norm, model.output]
+    if islands:
+        fully_shard([model.final_site, model.norm], mesh=mesh, mp_policy=fp32_policy,
+                    reshard_after_forward=False)
+        head = [model.output]
+    fully_shard(head, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+
+
+def _expert_placement(efsdp: int):
+    """Shard expert weights over efsdp on the expert dim while each rank keeps whole experts,
+    else on the input dim (more efsdp ranks than local experts)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        local_experts = param.to_local().shape[0] if hasattr(param, "to_local") else param.shape[0]
+        return Shard(0) if local_experts >= efsdp else Shard(1)
+
+    return placement

@@ -1,0 +1,153 @@
+"""A tiny titan_moe training loop, single-process or under torchtitan's ParallelDims on gloo.
+
+Every run starts from the same weights (one seeded init of the full model, then sharded) and
+sees the same global batch per step (rank r of W reads rows r·B/W .. (r+1)·B/W - 1). The loss
+is the token-mean cross entropy over the global batch, as the trainer computes it: each rank
+backpropagates sum(CE) / global tokens and FSDP sums the gradients.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as tt_dist_utils
+
+from titan_moe.config import job_config_class
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.model.model import TitanMoE
+from titan_moe.model.quantile_balance import QuantileBalancer
+from titan_moe.parallelize import parallelize_titan_moe
+from titan_moe.platform import use_platform
+
+GLOBAL_ROWS = 4
+SEQ_LEN = 64
+LR = 1e-3
+
+
+def tiny_args() -> TitanMoEArgs:
+    """3 layers: dense KDA, MoE KDA, MoE MLA; 8 experts top-2; d 64."""
+    return TitanMoEArgs(
+        vocab_size=128, dim=64, n_layers=3, mla_layers=(3,), dense_hidden=128,
+        attn_res_block_size=2, n_heads=2, head_dim=32, kda_gate_rank=16,
+        mla_n_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, n_experts=8, top_k=2, n_shared_experts=1,
+        shared_hidden=32, latent_dim=32, expert_hidden=32, max_seq_len=SEQ_LEN,
+    ).validate()
+
+
+@dataclass
+class Layout:
+    world_size: int = 1
+    ep: int = 1
+    ac: str = "none"
+    selective_ac_option: str = "2"
+    sharding: str = "fsdp2"
+    param_dtype: str = "float32"
+    compile_backend: str | None = None
+    simple_fsdp_passes: str = "none"
+    name: str = field(default="")
+
+
+def global_batch(vocab: int) -> torch.Tensor:
+    """One fixed batch, fed every step: memorising it makes the loss fall within 5 steps."""
+    g = torch.Generator().manual_seed(1000)
+    return torch.randint(vocab, (GLOBAL_ROWS, SEQ_LEN + 1), generator=g)
+
+
+def build_model() -> TitanMoE:
+    torch.manual_seed(0)
+    model = TitanMoE(tiny_args())
+    model.init_weights()
+    return model
+
+
+def job_config(layout: Layout):
+    config = job_config_class(TitanMoEArgs)()
+    config.activation_checkpoint.mode = layout.ac
+    config.activation_checkpoint.selective_ac_option = layout.selective_ac_option
+    config.parallelism.sharding = layout.sharding
+    config.parallelism.expert_parallel_degree = layout.ep
+    config.training.mixed_precision_param = layout.param_dtype
+    config.training.mixed_precision_reduce = "float32"
+    config.compile.enable = layout.compile_backend is not None
+    config.compile.backend = layout.compile_backend or "inductor"
+    config.parallelism.simple_fsdp_passes = layout.simple_fsdp_passes
+    return config
+
+
+def train(layout: Layout, steps: int = 5) -> dict:
+    """Per-step global losses and each router's QB bias after every step."""
+    model = build_model()
+    distributed = layout.world_size > 1
+    group, ep_enabled, rank = None, False, 0
+    if distributed:
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=layout.ep, etp=1,
+                            world_size=layout.world_size)
+        model = parallelize_titan_moe(model, dims, job_config(layout))
+        for module in model.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+        group = dims.get_mesh("loss").get_group()
+        ep_enabled, rank = dims.ep_enabled, dist.get_rank()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    balancer = QuantileBalancer(model, dp_group=group)
+    rows = GLOBAL_ROWS // layout.world_size
+    losses, biases = [], []
+    for _ in range(steps):
+        batch = global_batch(model.args.vocab_size)
+        local = batch[rank * rows:(rank + 1) * rows]
+        logits = model(local[:, :-1])
+        n_tokens = GLOBAL_ROWS * SEQ_LEN
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), local[:, 1:].flatten(),
+                                   reduction="sum")
+        (loss_sum / n_tokens).backward()
+        tt_dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, ep_enabled=ep_enabled)
+        optimizer.step()
+        optimizer.zero_grad()
+        balancer.step()
+        total = loss_sum.detach().clone()
+        if distributed:
+            dist.all_reduce(total, group=group)
+        losses.append(total.item() / n_tokens)
+        biases.append([r.expert_bias.clone() for r in balancer.routers])
+    return {"losses": losses, "biases": biases}
+
+
+def fp32_island_dtypes(layout: Layout) -> dict[str, str]:
+    """Parameter dtypes seen in forward, under bf16 FSDP: AttnRes, router and norms vs a Linear."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=layout.ep, etp=1,
+                        world_size=layout.world_size)
+    model = parallelize_titan_moe(build_model(), dims, job_config(layout))
+    seen: dict[str, str] = {}
+    layer = model.layers["1"]
+    watched = {"attn_res.query": (layer.ffn_site, "query"),
+               "router.weight": (layer.ffn.router, "weight"),
+               "ffn_norm.weight": (layer.ffn_norm, "weight"),
+               "w_down.weight": (layer.ffn.w_down, "weight")}
+    for name, (module, attr) in watched.items():
+
+        def record(m, args, name=name, attr=attr) -> None:
+            seen.setdefault(name, str(getattr(m, attr).dtype))
+
+        module.register_forward_pre_hook(record)
+    model(global_batch(128)[:1, :-1])
+    return seen
+
+
+def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    use_platform("cpu")
+    dist.init_process_group("gloo")
+    results = {layout.name: train(layout) for layout in layouts}
+    if world_size == 2:
+        for sharding in ("fsdp2", "simple_fsdp"):
+            layout = Layout(2, sharding=sharding, param_dtype="bfloat16")
+            results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()

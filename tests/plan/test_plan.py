@@ -1,0 +1,116 @@
+"""The memory plan's arithmetic against hand counts at tiny size."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from titan_moe.model.model import TitanMoE
+from titan_moe.plan import (
+    GB,
+    ParamCounts,
+    activation_bytes,
+    ep_degrees,
+    estimate,
+    fewest_gpus,
+    layer_activation_bytes,
+    load_plan_config,
+    main,
+    parameter_counts,
+    saved_bytes,
+)
+
+TINY_TOML = """
+[model]
+flavor = "debug"
+[titan_moe]
+n_layers = 3
+mla_layers = [3]
+dim = 64
+n_heads = 2
+head_dim = 32
+n_experts = 8
+top_k = 2
+latent_dim = 32
+expert_hidden = 32
+vocab_size = 128
+[training]
+seq_len = 64
+local_batch_size = 2
+[activation_checkpoint]
+mode = "full"
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_TOML)
+    return load_plan_config(str(path))
+
+
+def test_saved_bytes_counts_each_storage_once_and_skips_excluded():
+    lin1, lin2 = nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)
+    x = torch.randn(3, 8, requires_grad=True)
+    params = [lin1.weight, lin2.weight]
+    # Linear saves its input (3·8 fp32 = 96 B) and weight (excluded); relu its output (3·4·4).
+    assert saved_bytes(lambda: lin1(x), params) == 96
+    assert saved_bytes(lambda: lin1(x) + lin2(x), params) == 96
+    assert saved_bytes(lambda: torch.relu(lin1(x)), params) == 96 + 48
+    assert saved_bytes(lambda: lin1(x), params + [x]) == 0
+
+
+def test_parameter_counts_match_the_model(tiny):
+    counts = parameter_counts(tiny.args)
+    model = TitanMoE(tiny.args)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    # Two MoE layers × (w1, w3: 8·32·32, w2: 8·32·32).
+    assert counts.experts == 2 * 3 * 8 * 32 * 32
+    assert counts.largest_layer_experts == 3 * 8 * 32 * 32
+    assert counts.output == counts.embedding == 128 * 64
+
+
+def test_estimate_arithmetic_by_hand(tiny):
+    counts = ParamCounts(total=8000, experts=6000, embedding=100, output=100,
+                         largest_layer_dense=300, largest_layer_experts=2000)
+    e = estimate(tiny, gpus=4, ep=2, counts=counts, activations=5000.0)
+    assert (e.parameters, e.gradients, e.optimizer) == (8000.0, 8000.0, 16000.0)
+    assert e.working == 10 * (300 + 2000 / 2) + 2 * 100
+    assert e.peak == 8000 + 16000 + 13200 + max(5000, 8000)
+
+
+def test_full_ac_activations_compose_as_documented(tiny):
+    args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
+    stream = b * t * args.dim * 2
+    layers = [layer_activation_bytes(args, i, b, t) for i in range(args.n_layers)]
+    n_blocks = 2  # 3 layers in AttnRes blocks of 2
+    want = 3 * stream + 12 * b * t * args.vocab_size + max(layers) + (n_blocks + 1) * stream
+    assert activation_bytes(tiny) == want
+    no_ac = type(tiny)(tiny.args, t, b, "none", "2")
+    assert activation_bytes(no_ac) == sum(layers) + 3 * stream + 12 * b * t * args.vocab_size
+
+
+def test_layer_activations_scale_with_tokens(tiny):
+    args = tiny.args
+    dense, moe = (layer_activation_bytes(args, i, 2, 64) for i in (0, 1))
+    assert moe > 0 and dense > 0
+    assert layer_activation_bytes(args, 1, 4, 64) == pytest.approx(2 * moe, rel=0.05)
+
+
+def test_ep_degrees_divide_gpus_and_experts():
+    assert ep_degrees(16, 896) == [1, 2, 4, 8, 16]
+    assert ep_degrees(24, 896) == [1, 2, 4, 8]
+
+
+def test_fewest_gpus_is_the_first_count_that_fits(tiny):
+    one = estimate(tiny, 1, 1)
+    gpu_mem = 0.55 * one.peak / GB / 0.9  # about half of what one GPU needs
+    best = fewest_gpus(tiny, gpu_mem)
+    assert best is not None and best.gpus > 1 and best.fits(gpu_mem)
+    smaller = [n for n in (1, 2, 4) if n < best.gpus]
+    assert all(not estimate(tiny, n, ep).fits(gpu_mem)
+               for n in smaller for ep in ep_degrees(n, 8))
+
+
+def test_cli_errors_on_a_missing_config(capsys):
+    assert main(["--config", "missing.toml"]) == 2
+    assert capsys.readouterr().err.startswith("error:")
