@@ -72,8 +72,9 @@ def kda_case(name):
     leaves = [x.bfloat16() for x in (q, k, v, g, beta)]
     leaves += [h0] if with_states else []
     leaves += [A_log, dt_bias] if fused else []
-    do = torch.randn(batch, seq_len, heads, d, device="cuda")
-    ds = torch.randn(batch, heads, d, d, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(batch, seq_len, heads, d, device="cuda", generator=gen)
+    ds = torch.randn(batch, heads, d, d, device="cuda", generator=gen)
 
     def loss(o, s):
         total = (o.float() * do).sum()
@@ -136,6 +137,27 @@ def test_opcheck_fake_tensor_and_autograd():
     args = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
     args += [None, None, None, h0, 64**-0.5, G_MIN, True]
     torch.library.opcheck(chunk_kda_fwd, args)
+
+
+def test_op_compiles_fullgraph_and_matches_eager():
+    """The op alone, fused gate and documents on, at a small shape: a quick compile check."""
+    q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 2, 64, "fused")
+    leaves = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)] + [A_log, dt_bias]
+    doc = torch.zeros(2, 200, dtype=torch.int32, device="cuda")
+    doc[:, 90:] = 1
+
+    def run(fn):
+        o, _ = fn(*leaves)
+        return [o, *torch.autograd.grad(o.float().square().sum(), leaves)]
+
+    def op(q, k, v, g, beta, A_log, dt_bias):
+        return chunk_kda_triton(q, k, v, g, beta, doc=doc, A_log=A_log, dt_bias=dt_bias,
+                                g_min=G_MIN)
+
+    eager = run(op)
+    compiled = run(torch.compile(op, fullgraph=True))
+    for got, want in zip(compiled, eager, strict=True):
+        assert rel_rms(got, want) <= 1e-3
 
 
 def test_kda_layer_compiles_fullgraph_and_matches_eager():
