@@ -55,3 +55,22 @@ def test_attn_res_pass_fires_and_preserves_gradients():
     assert "aten.mv" not in result.post_grad["graph0_forward"]
     for c, e in zip(compiled, eager, strict=True):
         assert _rel(c, e) < RTOL
+
+
+def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
+    from compile_passes.kda_gate_cumsum_fusion import _search, gate_chunk_cumsum
+
+    g_raw = torch.randn(2, 128, 2, 16, dtype=torch.float64)
+    A_log, dt_bias = torch.randn(2, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    want = _search(g_raw, A_log, dt_bias, -5.0)
+    got = gate_chunk_cumsum(g_raw, A_log, dt_bias, -5.0)
+    assert _rel(got, want) < 1e-12  # float64: only summation order differs
+
+
+def test_unknown_pass_name_is_a_clear_error():
+    import pytest
+
+    from compile_passes.apply import apply_compile
+
+    with pytest.raises(ValueError, match="compile.passes: unknown pass 'fuse_all'; allowed"):
+        apply_compile(nn.Module(), passes=["fuse_all"])
