@@ -1,0 +1,91 @@
+"""Our Inductor passes by name, and the one `joint_custom_post_pass` hook that runs them.
+
+    FusionPasses(["situ_glu", "attn_res", "kda_gate"])    -> a torch._inductor CustomGraphPass
+    inductor_options(names)                               -> torch.compile(options=...) for it
+
+The hook runs on AOTAutograd's joint forward+backward graph (and on inference graphs), after
+Inductor's own joint normalisation (no-op removal, early patterns), which is the form the
+patterns were traced in. Every match is counted in `torch._dynamo.utils.counters
+["compile_passes"][name]`, which the tests and bench/compile.py read.
+"""
+
+import functools
+import hashlib
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
+
+# name -> module; each module has `pattern_pass() -> PatternMatcherPass`.
+PASS_MODULES = {
+    "situ_glu": "compile_passes.situ_glu_fusion",
+    "attn_res": "compile_passes.attn_res_fusion",
+    "kda_gate": "compile_passes.kda_gate_cumsum_fusion",
+}
+PASS_NAMES = tuple(PASS_MODULES)
+COUNTER = "compile_passes"
+
+
+def check_pass_names(names: Sequence[str], field: str = "compile.passes") -> None:
+    """ValueError naming `field` and the allowed names unless every name is a known pass."""
+    unknown = [n for n in names if n not in PASS_MODULES]
+    if unknown:
+        raise ValueError(
+            f"{field}: unknown pass {', '.join(map(repr, unknown))}; allowed: "
+            f"{', '.join(PASS_NAMES)}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field}: a pass is listed twice: {list(names)}")
+
+
+@functools.cache
+def _pattern_pass(name: str) -> PatternMatcherPass:
+    return importlib.import_module(PASS_MODULES[name]).pattern_pass()
+
+
+class FusionPasses(CustomGraphPass):
+    """Applies the named pattern passes in order; `then` (e.g. a recorder) runs afterwards."""
+
+    def __init__(
+        self, names: Sequence[str], then: Callable[[torch.fx.Graph], None] | None = None
+    ) -> None:
+        check_pass_names(names, "passes")
+        self.names = tuple(names)
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        total = 0
+        for name in self.names:
+            matched = _pattern_pass(name).apply(graph) or 0
+            counters[COUNTER][name] += matched
+            total += matched
+        if total:
+            # A replacement is inserted at its first match node; later users come first.
+            stable_topological_sort(graph)
+            graph.eliminate_dead_code()
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> str | None:
+        if self.then is not None:
+            return None  # a recorder must see every compile: no cache hits
+        digest = hashlib.sha256(",".join(self.names).encode())
+        for name in self.names:
+            module = importlib.import_module(PASS_MODULES[name])
+            digest.update(Path(module.__file__).read_bytes())
+        digest.update(torch.__version__.encode())
+        return digest.hexdigest()
+
+
+def inductor_options(names: Sequence[str]) -> dict:
+    """`torch.compile(..., options=...)` that installs the passes for that compile only."""
+    return {"joint_custom_post_pass": FusionPasses(names)} if names else {}
+
+
+def matched_counts() -> dict[str, int]:
+    """Matches per pass since the counters were last cleared."""
+    return {name: counters[COUNTER][name] for name in PASS_NAMES}
