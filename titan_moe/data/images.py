@@ -4,8 +4,8 @@ A multimodal document is a list of pieces, each a text string or an image (a fil
 [3, H, W] float tensor in [0, 1]). Sources:
 
 - ``digits``: the 1,797 8×8 handwritten digits that scikit-learn ships (``load_digits``),
-  upscaled to 56×56, each with the caption ``"a handwritten digit N"``; every tenth image
-  (index % 10 == 0) is held out as the ``val`` split.
+  upscaled to 56×56, each with the caption ``"a handwritten digit N"``; the last 10% (180
+  images, 16-20 of each digit) are held out as the ``val`` split.
 - a user's ``.jsonl`` file (or a folder of them): one document per line, either an image +
   caption pair ``{"image": "cat.png", "text": "a cat"}`` or an interleaved document
   ``{"content": [{"text": "..."}, {"image": "a.png"}, {"text": "..."}]}``; image paths are
@@ -92,9 +92,9 @@ def digits(split: str) -> list[tuple[torch.Tensor, int]]:
     data = load_digits()
     images = torch.from_numpy(data.images).float() / 16
     images = F.interpolate(images[:, None], size=(DIGIT_PIXELS, DIGIT_PIXELS), mode="nearest")
-    held_out = split == "val"
-    return [(images[i].expand(3, -1, -1), int(data.target[i]))
-            for i in range(len(images)) if (i % 10 == 0) == held_out]
+    first_held_out = len(images) - len(images) // 10
+    chosen = range(first_held_out, len(images)) if split == "val" else range(first_held_out)
+    return [(images[i].expand(3, -1, -1), int(data.target[i])) for i in chosen]
 
 
 def digit_caption(label: int) -> str:

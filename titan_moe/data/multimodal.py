@@ -34,11 +34,15 @@ from torchtitan.tools.logging import logger
 
 from titan_moe.data.corpus import iter_documents, list_data_files, resolve_split
 from titan_moe.data.dataloader import Batch, build_dataloader, resolve_data_path
-from titan_moe.data.images import Document, ImageLoadError, image_documents, image_patches, \
-    load_image
+from titan_moe.data.images import (
+    Document,
+    ImageLoadError,
+    image_documents,
+    image_patches,
+    load_image,
+)
 from titan_moe.data.packing import IGNORE_INDEX, window_sample
-from titan_moe.model.args import ConfigError, TitanMoEArgs, VisionArgs, apply_overrides, \
-    get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, VisionArgs, apply_overrides, get_flavor
 
 ImagePiece = tuple[list[int], torch.Tensor, torch.Tensor]  # (tokens, patches, positions)
 
