@@ -33,6 +33,10 @@ def parallelize_titan_moe(
             model.layers.register_module(
                 layer_id, torch.compile(layer, backend=job_config.compile.backend, fullgraph=True)
             )
+        if getattr(model, "vision", None) is not None:  # the vision blocks, compiled alike
+            for block_id, block in model.vision.blocks.named_children():
+                model.vision.blocks.register_module(block_id, torch.compile(
+                    block, backend=job_config.compile.backend, fullgraph=True))
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         apply_fsdp(
@@ -49,11 +53,14 @@ _DEGREE_FIELD = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree
 
 
 def apply_fsdp(model: TitanMoE, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """One FSDP unit per decoder layer, one for the embedding, one for the head, then the root.
+    """One FSDP unit per decoder layer, one for the vision tower (if any), one for the embedding,
+    one for the head, then the root.
 
     Gradient division is left to the trainer, which scales the loss by the global token count.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if getattr(model, "vision", None) is not None:  # the vision tower is a unit of its own
+        fully_shard(model.vision, mesh=mesh, mp_policy=policy)
     fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=policy)
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh, mp_policy=policy)

@@ -26,3 +26,15 @@ def write_png(path: Path, height: int, width: int, seed: int = 0) -> Path:
     pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
     Image.fromarray(pixels.numpy()).save(path)
     return path
+
+
+@pytest.fixture
+def scalars_of():
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def read(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        return [(s.step, s.value) for s in events.Scalars(tag)]
+
+    return read
