@@ -3,7 +3,7 @@ into the decoder width, whose outputs replace the `<|image|>` placeholder embedd
 
     z    = PatchEmbed(patches)                      # [B, P, D]: one row per 14×14×3 patch
     z    = ViTBlock_i(z) for i in 1..n_layers       # attention within one image only, 2-D RoPE
-    m    = Projector(merge_2x2(LayerNorm(z)))       # [B, P/4, d]
+    m    = RMSNorm(Projector(merge_2x2(LayerNorm(z))))   # [B, P/4, d]
     e[b, k-th placeholder of row b] = m[b, k]
 
 A packed window carries a fixed number P of patch slots (`window_patches`); its images fill them
@@ -82,8 +82,11 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleDict({str(i): VisionBlock(args) for i in range(args.n_layers)})
         self.merge_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         merged = self.group * args.dim
+        # The closing RMSNorm puts image embeddings at the scale of the token embeddings
+        # (N(0, 1) at init), so the decoder does not see them as near-zero vectors.
         self.projector = nn.Sequential(
             nn.Linear(merged, merged), nn.GELU(approximate="tanh"), nn.Linear(merged, out_dim),
+            nn.RMSNorm(out_dim, eps=args.norm_eps),
         )
 
     def forward(
@@ -106,7 +109,7 @@ class VisionTower(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=init_std, a=-3 * init_std,
                                       b=3 * init_std)
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
 
 
