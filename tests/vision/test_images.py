@@ -110,3 +110,24 @@ def test_digits_splits_are_disjoint_and_balanced():
     counts = torch.bincount(torch.tensor([label for _, label in val]), minlength=10)
     assert counts.min() >= 15
     assert train[0][0].shape == (3, 56, 56) and 0 <= float(train[0][0].min()) <= 1
+
+
+def test_a_saved_position_resumes_the_exact_window_sequence(vision, tokenizer, tmp_path):
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": "word " * (15 * i + 3)}) + "\n"
+                            for i in range(5)))
+    documents = [[image, f"a handwritten digit {label}"] for image, label in digits("val")[:7]]
+
+    def dataset():
+        return MultimodalDataset([text], documents, tokenizer, seq_len=64, vision=vision,
+                                 image_docs_per_text_doc=2)
+
+    first = iter(reference := dataset())
+    for _ in range(5):
+        next(first)
+    state = reference.state_dict()
+    expected = [next(first) for _ in range(8)]
+    resumed = dataset()
+    resumed.load_state_dict(state)
+    for (x, y), (ex, ey) in zip(iter(resumed), expected, strict=False):
+        assert torch.equal(y, ey) and all(torch.equal(x[k], ex[k]) for k in ex)

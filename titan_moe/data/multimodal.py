@@ -20,6 +20,7 @@ image that is missing or corrupt skips its document with a warning and is counte
 (``data/images_skipped``, which the trainer logs to TensorBoard).
 """
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -57,37 +58,45 @@ class MultimodalPacker:
         self.starts: list[int] = []
         self.images: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.n_patches = 0
+        self.pending: deque[list[int] | ImagePiece | None] = deque()
 
     def add(self, pieces: list[list[int] | ImagePiece]) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Add one document; yield the windows it completes."""
-        self.starts.append(len(self.tokens))
-        for piece in pieces:
-            if isinstance(piece, list):
-                yield from self._add_text(piece)
-            else:
-                yield from self._add_image(*piece)
+        """Add one document; yield the windows it completes.
 
-    def _add_text(self, tokens: list[int]) -> Iterator[tuple[torch.Tensor, ...]]:
-        while tokens:
-            room = self.seq_len + 1 - len(self.tokens)
-            self.tokens.extend(tokens[:room])
-            tokens = tokens[room:]
-            if len(self.tokens) == self.seq_len + 1:
+        The document waits whole in ``pending`` and leaves it piece by piece, so a state saved
+        between two yielded windows holds everything not yet emitted (exact resume).
+        """
+        self.pending.extend([None, *pieces])  # None marks the document start
+        while self.pending:
+            piece = self.pending[0]
+            if piece is None:
+                self.starts.append(len(self.tokens))
+                self.pending.popleft()
+            elif isinstance(piece, list):
+                room = self.seq_len + 1 - len(self.tokens)
+                self.tokens.extend(piece[:room])
+                if len(piece) > room:
+                    self.pending[0] = piece[room:]
+                else:
+                    self.pending.popleft()
+                if len(self.tokens) == self.seq_len + 1:
+                    yield self.pop()
+            elif self._fits(*piece):
+                tokens, patches, positions = piece
+                self.tokens.extend(tokens)
+                self.images.append((patches, positions))
+                self.n_patches += len(patches)
+                self.pending.popleft()
+            else:
                 yield self.pop()
 
-    def _add_image(
-        self, tokens: list[int], patches: torch.Tensor, positions: torch.Tensor
-    ) -> Iterator[tuple[torch.Tensor, ...]]:
+    def _fits(self, tokens: list[int], patches: torch.Tensor, _positions: torch.Tensor) -> bool:
         if len(tokens) > self.seq_len or len(patches) > self.vision.window_patches:
             raise ValueError(f"an image of {len(patches)} patches ({len(tokens)} tokens) cannot "
                              f"fit a window of {self.seq_len} tokens and "
                              f"{self.vision.window_patches} patch slots")
-        too_long = len(self.tokens) + len(tokens) > self.seq_len
-        if too_long or self.n_patches + len(patches) > self.vision.window_patches:
-            yield self.pop()
-        self.tokens.extend(tokens)
-        self.images.append((patches, positions))
-        self.n_patches += len(patches)
+        return (len(self.tokens) + len(tokens) <= self.seq_len
+                and self.n_patches + len(patches) <= self.vision.window_patches)
 
     def pop(self) -> tuple[torch.Tensor, ...]:
         """The current window, padded if short: (tokens, starts, valid, patches, pos, image)."""
@@ -120,11 +129,11 @@ class MultimodalPacker:
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens": list(self.tokens), "starts": list(self.starts),
-                "images": [(p.clone(), xy.clone()) for p, xy in self.images]}
+                "images": list(self.images), "pending": list(self.pending)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tokens, self.starts = list(state["tokens"]), list(state["starts"])
-        self.images = list(state["images"])
+        self.images, self.pending = list(state["images"]), deque(state["pending"])
         self.n_patches = sum(len(p) for p, _ in self.images)
 
 
