@@ -67,6 +67,19 @@ class Training(tt_config.Training):
     """Packed windows held in a seeded shuffle buffer (0: keep the corpus order)."""
     min_doc_tokens: int = 0
     """Skip documents shorter than this many tokens (the long-context stages' data mix)."""
+    image_data: str = ""
+    """Images for the vision tower: "digits" (scikit-learn's) or a .jsonl file / folder of
+    image-text documents (data/images.py); empty: text only."""
+    image_docs_per_text_doc: int = 1
+    """Image documents interleaved after each text document of the corpus."""
+
+
+@dataclass
+class MultimodalEval:
+    freq: int = 0
+    """Every this many steps, score held-out digit images answered in text (0: never)."""
+    images: int = 50
+    """Held-out digit images scored per evaluation."""
 
 
 # --- Scale: sharding choice and float8 training (issue 7) ---------------------------------------
@@ -164,6 +177,7 @@ def job_config_class(args_cls: type) -> type:
             ("parallelism", Parallelism, field(default_factory=Parallelism)),
             ("float8", Float8, field(default_factory=Float8)),
             (MODEL_NAME, section, field(default_factory=section)),
+            ("multimodal_eval", MultimodalEval, field(default_factory=MultimodalEval)),
         ],
         bases=(tt_config.JobConfig,),
     )
@@ -330,6 +344,7 @@ def _check_semantics(job_config: Any) -> None:
     _check_scale(job_config, device_type)
     _check_data(job_config)
     flavor_args = _flavor_args(job_config)
+    _check_multimodal(job_config, flavor_args)
     seq_lens = [("training.seq_len", job_config.training.seq_len)]
     if job_config.validation.enable:
         seq_lens.append(("validation.seq_len", job_config.validation.seq_len))
@@ -355,6 +370,25 @@ def _check_data(job_config: Any) -> None:
             check_data_source(config.dataset, config.dataset_path, section)
         except FileNotFoundError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_multimodal(job_config: Any, flavor_args: Any) -> None:
+    training, evaluation = job_config.training, job_config.multimodal_eval
+    vision = model_overrides(job_config).get("vision", getattr(flavor_args, "vision", "none"))
+    wants_images = training.image_data or evaluation.freq > 0
+    if wants_images and vision == "none":
+        raise ConfigError("training.image_data / multimodal_eval.freq need a vision tower: set "
+                          "titan_moe.vision to debug, proxy or full")
+    if training.image_data and training.image_data != "digits" and not Path(
+            training.image_data).exists():
+        raise ConfigError(f"training.image_data={training.image_data!r}: not 'digits' and no "
+                          "such .jsonl file or folder")
+    if training.image_docs_per_text_doc < 1:
+        raise ConfigError("training.image_docs_per_text_doc must be >= 1, got "
+                          f"{training.image_docs_per_text_doc}")
+    if evaluation.freq < 0 or evaluation.images < 1:
+        raise ConfigError(f"multimodal_eval.freq must be >= 0 and multimodal_eval.images >= 1, "
+                          f"got {evaluation.freq} and {evaluation.images}")
 
 
 def _check_profiling(profiling: tt_config.Profiling, device_type: str) -> None:

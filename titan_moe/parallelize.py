@@ -124,6 +124,10 @@ def apply_compile(model: TitanMoE, backend: str, units: set[nn.Module]) -> None:
     """
     for layer_id, layer in model.layers.named_children():
         model.layers.register_module(layer_id, _compile_around(layer, backend, units))
+    if getattr(model, "vision", None) is not None:
+        for block_id, block in model.vision.blocks.named_children():
+            model.vision.blocks.register_module(
+                block_id, torch.compile(block, backend=backend, fullgraph=True))
 
 
 def _compile_around(module: nn.Module, backend: str, units: set[nn.Module]) -> nn.Module:
@@ -145,8 +149,8 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     expert_mesh=None,
 ) -> None:
-    """FSDP2 units: per layer (experts and fp32 islands first, as units of their own), the
-    embedding, the head, then the root.
+    """FSDP2 units: the vision tower (if any), per layer (experts and fp32 islands first, as units
+    of their own), the embedding, the head, then the root.
 
     Gradient division is left to the trainer, which scales the loss by the global token count.
     """
@@ -155,6 +159,8 @@ def apply_fsdp(
         param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
     islands = fp32_islands(True, param_dtype)
+    if getattr(model, "vision", None) is not None:
+        fully_shard(model.vision, mesh=mesh, mp_policy=policy)
     fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=policy)
     for layer in model.layers.values():
         if expert_mesh is not None:

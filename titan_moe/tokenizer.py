@@ -21,13 +21,15 @@ BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 IMAGE_TOKEN = "<|image|>"
+IMAGE_START_TOKEN = "<|image_start|>"
+IMAGE_END_TOKEN = "<|image_end|>"
 SPECIAL_TOKENS = [
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
     IMAGE_TOKEN,
-    "<|image_start|>",
-    "<|image_end|>",
+    IMAGE_START_TOKEN,
+    IMAGE_END_TOKEN,
     *(f"<|reserved_{i}|>" for i in range(10)),
 ]
 
@@ -70,6 +72,10 @@ class TitanTokenizer(BaseTokenizer):
         self.bos_id = self._required_id(BOS_TOKEN)
         self.eos_id = self._required_id(EOS_TOKEN)
         self.pad_id = self._required_id(PAD_TOKEN)
+        # An image is `<|image_start|>` + one `<|image|>` per merged patch + `<|image_end|>`.
+        self.image_id = self.token_to_id(IMAGE_TOKEN)
+        self.image_start_id = self.token_to_id(IMAGE_START_TOKEN)
+        self.image_end_id = self.token_to_id(IMAGE_END_TOKEN)
 
     def _required_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)

@@ -41,6 +41,8 @@ class TitanMoEMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.peak_flops = self.gpu_peak_flops if math.isfinite(self.gpu_peak_flops) else None
         self.histogram_writer = _tensorboard_writer(self.logger)
+        # The training dataset, when it counts things worth logging (images read / skipped).
+        self.data_stats: Any = None
 
     def log(
         self,
@@ -76,6 +78,8 @@ class TitanMoEMetricsProcessor(MetricsProcessor):
             metrics["mfu(%)"] = 100 * tflops * 1e12 / self.peak_flops
             mfu = f"  mfu: {metrics['mfu(%)']:.2f}%"
         metrics.update(extra_metrics or {})
+        if hasattr(self.data_stats, "stats"):
+            metrics.update(self.data_stats.stats())
         balancing = getattr(self.optimizers, "load_balancing", None)
         if balancing is not None:
             metrics.update(balancing.metrics)
@@ -96,6 +100,11 @@ class TitanMoEMetricsProcessor(MetricsProcessor):
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+    def log_multimodal_eval(self, step: int, accuracy: float) -> None:
+        """The multimodal evaluation, under its own tag apart from the text metrics."""
+        self.logger.log({"mm_eval/digit_accuracy": accuracy}, step)
+        logger.info(f"step: {step:2}  multimodal eval: digit accuracy {accuracy:.3f}")
 
     def _log_histograms(self, balancing: LoadBalancing, step: int) -> None:
         if self.histogram_writer is None:
@@ -128,7 +137,7 @@ def build_metrics_processor(
 
 def titan_moe_train_spec() -> TrainSpec:
     """Our TrainSpec; imports the model, data and tokenizer modules only when called."""
-    from titan_moe.data.dataloader import build_dataloader
+    from titan_moe.data.multimodal import build_multimodal_dataloader
     from titan_moe.model.args import FLAVORS
     from titan_moe.model.model import TitanMoE
     from titan_moe.parallelize import parallelize_titan_moe
@@ -141,7 +150,7 @@ def titan_moe_train_spec() -> TrainSpec:
         pipelining_fn=None,
         build_optimizers_fn=build_optimizers_with_quantile_balancing,
         build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_dataloader,
+        build_dataloader_fn=build_multimodal_dataloader,
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_metrics_processor,
@@ -163,6 +172,22 @@ class TitanMoETrainer(PlatformTrainer):
         if job_config.model.name == MODEL_NAME:
             register_titan_moe()
         super().__init__(job_config)
+        self.metrics_processor.data_stats = getattr(self.dataloader, "dataset", None)
+
+    def train_step(self, data_iterator) -> None:
+        super().train_step(data_iterator)
+        evaluation = getattr(self.job_config, "multimodal_eval", None)
+        if evaluation is not None and evaluation.freq and self.step % evaluation.freq == 0:
+            self.multimodal_eval()
+
+    def multimodal_eval(self) -> None:
+        """Digit accuracy (eval/multimodal.py) on every rank, logged to TensorBoard."""
+        from titan_moe.eval.multimodal import digit_accuracy
+
+        model = self.model_parts[0]
+        accuracy = digit_accuracy(model, self.tokenizer, model.vision.args,
+                                  self.job_config.multimodal_eval.images, self.device)
+        self.metrics_processor.log_multimodal_eval(self.step, accuracy)
 
 
 @record

@@ -17,6 +17,57 @@ class ConfigError(ValueError):
     """An inconsistent or unsupported configuration; the message names the field."""
 
 
+_VISION_OVERRIDES = ("max_patches", "window_patches")
+
+
+@dataclass
+class VisionArgs:
+    """The vision tower of spec §7: a ViT over 14×14 patches with 2-D RoPE, a 2×2 patch merge
+    and a projector into the decoder width. Chosen by `titan_moe.vision` (a VISION_FLAVORS name).
+    """
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    mlp_hidden: int = 256
+    patch_size: int = 14
+    merge: int = 2
+    # Dynamic resolution: an image is resized so that its patch grid holds at most this many.
+    max_patches: int = 64
+    # Patch slots per packed window (the tower's fixed input length); images fill them in order.
+    window_patches: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def validate(self, seq_len: int | None = None) -> VisionArgs:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                key = f"titan_moe.vision_{name}" if name in _VISION_OVERRIDES else (
+                    f"VisionArgs.{name}")
+                raise ConfigError(f"{key} = {getattr(self, name)!r}: {allowed}")
+
+        for name in ("dim", "n_layers", "n_heads", "mlp_hidden", "max_patches",
+                     "window_patches"):
+            need(getattr(self, name) > 0, name, "must be a positive integer")
+        need(self.patch_size == 14, "patch_size", "must be 14 (spec §7)")
+        need(self.merge == 2, "merge", "must be 2 (spec §7: a 2×2 patch merge)")
+        head_dim, rem = divmod(self.dim, self.n_heads)
+        need(rem == 0 and head_dim % 4 == 0, "dim",
+             f"must be n_heads ({self.n_heads}) × a head width divisible by 4 (2-D RoPE rotates "
+             "pairs along rows and along columns)")
+        group = self.merge * self.merge
+        need(self.max_patches >= group and self.max_patches % group == 0, "max_patches",
+             f"must be a positive multiple of {group} (one merged token per 2×2 patches)")
+        need(self.window_patches % group == 0 and self.window_patches >= self.max_patches,
+             "window_patches", f"must be a multiple of {group} and >= vision_max_patches = "
+             f"{self.max_patches} (a window must hold the largest image)")
+        tokens = self.max_patches // group + 2  # image_start + placeholders + image_end
+        if seq_len is not None:
+            need(tokens <= seq_len, "max_patches",
+                 f"gives images of up to {tokens} tokens, more than training.seq_len = {seq_len}")
+        return self
+
+
 @dataclass
 class TitanMoEArgs(BaseModelArgs):
     vocab_size: int = 4096
@@ -60,6 +111,13 @@ class TitanMoEArgs(BaseModelArgs):
     qb_bins: int = 1000
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
+
+    # Vision tower (spec §7): "none" (text only) or a VISION_FLAVORS name; the two patch
+    # budgets override the vision flavor's when > 0. `<|image|>` placeholders carry its output.
+    vision: str = "none"
+    vision_max_patches: int = 0
+    vision_window_patches: int = 0
+    image_token_id: int = 3
 
     init_std: float = 0.02
     max_seq_len: int = 8192
@@ -106,7 +164,24 @@ class TitanMoEArgs(BaseModelArgs):
              f"must be 1-based layer indices in [1, n_layers={self.n_layers}]")
         need(len(set(mla)) == len(mla), "mla_layers", "must not repeat a layer")
         self.mla_layers = mla
+        need(self.vision == "none" or self.vision in VISION_FLAVORS, "vision",
+             f"allowed: none, {', '.join(VISION_FLAVORS)}")
+        need(0 <= self.image_token_id < self.vocab_size, "image_token_id",
+             f"must be a token id in [0, vocab_size={self.vocab_size})")
+        self.vision_config()
         return self
+
+    def vision_config(self) -> VisionArgs | None:
+        """The validated vision tower config, or None for a text-only model."""
+        if self.vision == "none":
+            return None
+        vision = dataclasses.replace(VISION_FLAVORS[self.vision])
+        if self.vision_max_patches > 0:
+            vision.max_patches = self.vision_max_patches
+            vision.window_patches = max(vision.window_patches, vision.max_patches)
+        if self.vision_window_patches > 0:
+            vision.window_patches = self.vision_window_patches
+        return vision.validate(self.max_seq_len)
 
     # The schedule, 0-based.
     def is_mla(self, layer_id: int) -> bool:
@@ -157,6 +232,8 @@ def _type_matches(value: object, annotation: str) -> bool:
         return annotation.startswith("int") or annotation == "float"
     if isinstance(value, float):
         return annotation == "float"
+    if isinstance(value, str):
+        return annotation == "str"
     return False
 
 
@@ -182,6 +259,17 @@ FLAVORS: dict[str, TitanMoEArgs] = {
         n_experts=896, top_k=16, n_shared_experts=2, shared_hidden=3072,
         latent_dim=3584, expert_hidden=3072, max_seq_len=1 << 20,
     ),
+}
+
+
+# Vision tower sizes. full ≈ 0.41B in the ViT (27 × 1152, MoonViT/SigLIP-so400m shape) plus the
+# merge projector into d; proxy is ViT-B-sized; debug runs on CPU in seconds.
+VISION_FLAVORS: dict[str, VisionArgs] = {
+    "debug": VisionArgs(),
+    "proxy": VisionArgs(dim=768, n_layers=12, n_heads=12, mlp_hidden=3072,
+                        max_patches=1024, window_patches=4096),
+    "full": VisionArgs(dim=1152, n_layers=27, n_heads=16, mlp_hidden=4304,
+                       max_patches=4096, window_patches=16384),
 }
 
 

@@ -24,6 +24,7 @@ from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.situ_glu import SiTUGLU
+from titan_moe.model.vision import VisionTower, merged_valid, scatter_image_embeddings
 
 
 class DecoderLayer(nn.Module):
@@ -84,11 +85,28 @@ class TitanMoE(nn.Module):
         self.final_site = AttnResSite(args.dim, args.attn_res_eps)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        vision = args.vision_config()
+        self.vision = VisionTower(vision, args.dim) if vision is not None else None
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, T] int; doc_ids: [B, T] document index per token (packed data) or None."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        patches: torch.Tensor | None = None,
+        patch_pos: torch.Tensor | None = None,
+        patch_image: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens: [B, T] int; doc_ids: [B, T] document index per token (packed data) or None;
+        patches, patch_pos, patch_image: a window's image patch slots (model/vision.py)."""
         blocks: list[torch.Tensor] = []
         partial = self.tok_embeddings(tokens)
+        if patches is not None:
+            if self.vision is None:
+                raise ValueError("the batch has image patches but titan_moe.vision = 'none'")
+            merged = self.vision(patches, patch_pos, patch_image)
+            partial = scatter_image_embeddings(
+                partial, tokens, self.args.image_token_id, merged,
+                merged_valid(patch_image, self.vision.group))
         for layer in self.layers.values():
             blocks, partial = layer(blocks, partial, doc_ids)
         h = self.final_site(blocks + [partial])
@@ -100,5 +118,7 @@ class TitanMoE(nn.Module):
             layer.init_weights()
         self.final_site.init_weights()
         self.norm.reset_parameters()
+        if self.vision is not None:
+            self.vision.init_weights(self.args.init_std)
         bound = 3 * self.args.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-bound, b=bound)
