@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for one lease of a GPU machine:
 #   bench/run_gpu.sh [OUT_DIR]          (default: outputs/bench-<date>)
-# Runs the `gpu`-marked tests, then bench/kda.py, bench/moe.py and bench/long_context.py; each step's log and JSON land
-# in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
+# Runs the `gpu`-marked tests, then bench/kda.py, bench/moe.py and bench/long_context.py; each
+# step's log and JSON land in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
 # fla autotunes for minutes at every new shape.
 set -uo pipefail
 cd "$(dirname "$0")/.."
