@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for one lease of a GPU machine:
 #   bench/run_gpu.sh [OUT_DIR]          (default: outputs/bench-<date>)
-# Runs the `gpu`-marked tests, then bench/kda.py and bench/moe.py; each step's log and JSON land
-# in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
+# Runs the `gpu`-marked tests, then bench/kda.py, bench/moe.py and bench/long_context.py; each
+# step's log and JSON land in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
 # fla autotunes for minutes at every new shape.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +21,6 @@ step() {
 step gpu_tests python -m pytest -m gpu tests -p no:cacheprovider
 step kda python bench/kda.py --out "$out/kda.json"
 step moe python bench/moe.py --out "$out/moe.json"
+step long_context python bench/long_context.py --out "$out/long_context.json"
 echo "results in $out"
 exit $status

@@ -129,6 +129,39 @@ def _check_scale(job_config: Any, device_type: str) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Eval:
+    """[eval]: the long-context evaluation at the last step (titan_moe/eval/long_context.py)."""
+
+    long_context: bool = False
+    """Log loss by position bucket and the needle probe to TensorBoard at the last step."""
+    needle_lengths: list[int] = field(default_factory=list)
+    """Context lengths of the needle probe (empty: seq_len / 4, seq_len / 2, seq_len)."""
+    needle_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    """Where the needle sits, as a fraction of the context, each in [0, 1]."""
+    needle_trials: int = 2
+    """Needles per (length, depth)."""
+
+
+def needle_lengths(eval_config: Eval, seq_len: int) -> list[int]:
+    return eval_config.needle_lengths or [seq_len // 4, seq_len // 2, seq_len]
+
+
+def _check_eval(job_config: Any) -> None:
+    config, seq_len = job_config.eval, job_config.training.seq_len
+    if not config.long_context:
+        return
+    for length in needle_lengths(config, seq_len):
+        if not 64 <= length <= seq_len:
+            raise ConfigError(f"eval.needle_lengths: {length} must lie in [64, training.seq_len "
+                              f"= {seq_len}]")
+    if not config.needle_depths or not all(0 <= d <= 1 for d in config.needle_depths):
+        raise ConfigError(f"eval.needle_depths must be non-empty fractions in [0, 1], got "
+                          f"{config.needle_depths}")
+    if config.needle_trials < 1:
+        raise ConfigError(f"eval.needle_trials must be >= 1, got {config.needle_trials}")
+
+
 def model_args_class(model_name: str) -> type:
     """The model-args dataclass of a train spec (ours is imported lazily)."""
     if model_name == MODEL_NAME:
@@ -176,6 +209,7 @@ def job_config_class(args_cls: type) -> type:
             ("training", Training, field(default_factory=Training)),
             ("parallelism", Parallelism, field(default_factory=Parallelism)),
             ("float8", Float8, field(default_factory=Float8)),
+            ("eval", Eval, field(default_factory=Eval)),
             (MODEL_NAME, section, field(default_factory=section)),
             ("multimodal_eval", MultimodalEval, field(default_factory=MultimodalEval)),
         ],
@@ -343,6 +377,7 @@ def _check_semantics(job_config: Any) -> None:
     _check_profiling(job_config.profiling, device_type)
     _check_scale(job_config, device_type)
     _check_data(job_config)
+    _check_eval(job_config)
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
     seq_lens = [("training.seq_len", job_config.training.seq_len)]

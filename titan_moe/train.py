@@ -166,19 +166,32 @@ def register_titan_moe() -> None:
 
 
 class TitanMoETrainer(PlatformTrainer):
-    """torchtitan's Trainer on our platform adapter, with the titan_moe TrainSpec registered."""
+    """torchtitan's Trainer on our platform adapter, with the titan_moe TrainSpec registered.
+
+    With `[eval] long_context = true` the last step's batch is also the long-context
+    evaluation's corpus sample, evaluated after that step and logged at its step number.
+    """
 
     def __init__(self, job_config: JobConfig):
         if job_config.model.name == MODEL_NAME:
             register_titan_moe()
         super().__init__(job_config)
         self.metrics_processor.data_stats = getattr(self.dataloader, "dataset", None)
+        self.last_batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
+
+    def forward_backward_step(self, *, input_dict, labels, **kwargs) -> torch.Tensor:
+        self.last_batch = (input_dict, labels)
+        return super().forward_backward_step(input_dict=input_dict, labels=labels, **kwargs)
 
     def train_step(self, data_iterator) -> None:
         super().train_step(data_iterator)
         evaluation = getattr(self.job_config, "multimodal_eval", None)
         if evaluation is not None and evaluation.freq and self.step % evaluation.freq == 0:
             self.multimodal_eval()
+        eval_config = getattr(self.job_config, "eval", None)
+        if eval_config is not None and eval_config.long_context and (
+                self.step == self.job_config.training.steps):
+            self.evaluate_long_context()
 
     def multimodal_eval(self) -> None:
         """Digit accuracy (eval/multimodal.py) on every rank, logged to TensorBoard."""
@@ -188,6 +201,24 @@ class TitanMoETrainer(PlatformTrainer):
         accuracy = digit_accuracy(model, self.tokenizer, model.vision.args,
                                   self.job_config.multimodal_eval.images, self.device)
         self.metrics_processor.log_multimodal_eval(self.step, accuracy)
+
+    def evaluate_long_context(self) -> dict[str, float]:
+        from titan_moe.config import needle_lengths
+        from titan_moe.eval.long_context import NeedleSpec, long_context_metrics
+
+        eval_config, seq_len = self.job_config.eval, self.job_config.training.seq_len
+        spec = NeedleSpec(tuple(needle_lengths(eval_config, seq_len)),
+                          tuple(eval_config.needle_depths), eval_config.needle_trials)
+        input_dict, labels = self.last_batch
+        model = self.model_parts[0]
+        with self.maybe_enable_amp:
+            metrics = long_context_metrics(model, input_dict["input"], labels,
+                                           input_dict.get("doc_ids"), spec,
+                                           model.tok_embeddings.num_embeddings)
+        self.metrics_processor.logger.log(metrics, self.step)
+        logger.info("long-context eval: " + "  ".join(f"{k.removeprefix('long_context/')}: "
+                                                      f"{v:.4f}" for k, v in metrics.items()))
+        return metrics
 
 
 @record

@@ -1,0 +1,1 @@
+"""Evaluations run by the trainer (long context at the end of a stage)."""

@@ -41,6 +41,11 @@ def causal_depthwise_conv(
 
 
 class KimiDeltaAttention(nn.Module):
+    # The two steps that mix along the sequence. Context parallelism (titan_moe/context_parallel)
+    # replaces them per instance with versions that exchange the conv halo and the state.
+    sequence_conv = staticmethod(causal_depthwise_conv)
+    sequence_recurrence = staticmethod(chunk_kda_fused_gate)
+
     def __init__(self, args: TitanMoEArgs) -> None:
         super().__init__()
         self.n_heads = args.n_heads
@@ -65,16 +70,16 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
-        q = F.silu(causal_depthwise_conv(self.w_q(x), self.conv_q, doc_ids)).view(shape)
-        k = F.silu(causal_depthwise_conv(self.w_k(x), self.conv_k, doc_ids)).view(shape)
-        v = F.silu(causal_depthwise_conv(self.w_v(x), self.conv_v, doc_ids)).view(shape)
+        q = F.silu(self.sequence_conv(self.w_q(x), self.conv_q, doc_ids)).view(shape)
+        k = F.silu(self.sequence_conv(self.w_k(x), self.conv_k, doc_ids)).view(shape)
+        v = F.silu(self.sequence_conv(self.w_v(x), self.conv_v, doc_ids)).view(shape)
         wide = torch.promote_types(x.dtype, torch.float32)
         q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
         k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
         beta = torch.sigmoid(self.w_beta(x).to(wide))
         g_raw = self.w_f_up(self.w_f_down(x)).view(shape)
-        o, _ = chunk_kda_fused_gate(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
-                                    doc_ids=doc_ids)
+        o, _ = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
+                                        doc_ids=doc_ids)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
         return self.w_o(o.reshape(b, t, -1))
 

@@ -1,0 +1,87 @@
+"""Context parallelism over 2 gloo ranks gives the outputs and gradients of 1 rank.
+
+Each rank builds the same tiny model (same seed), runs the whole sequence as the reference,
+then its shard with `apply_context_parallel`; gradients are summed over the ranks. Documents
+cross the shard boundary in row 0 and start exactly at it in row 1.
+"""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from titan_moe.context_parallel import apply_context_parallel, shard_sequence
+from titan_moe.model.args import get_flavor
+from titan_moe.model.model import TitanMoE
+
+RTOL = 1e-4  # float32, relative to the largest magnitude of each tensor
+SEQ_LEN = 256
+WORLD = 2
+
+
+def _model() -> TitanMoE:
+    torch.manual_seed(0)
+    args = get_flavor("debug")
+    args.n_layers, args.mla_layers = 4, (2, 4)
+    model = TitanMoE(args.validate())
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".query"):
+                p.normal_(0, 0.05)
+    return model
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    tokens = torch.randint(0, vocab, (2, SEQ_LEN + 1))
+    starts = torch.zeros(2, SEQ_LEN, dtype=torch.int32)
+    starts[0, [100, 200]] = 1  # document 1 spans 100..199, across the boundary at 128
+    starts[1, [128, 180]] = 1  # a document starts exactly at the boundary
+    return tokens[:, :-1], tokens[:, 1:], starts.cumsum(1, dtype=torch.int32)
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    try:
+        reference = _model()
+        tokens, labels, doc_ids = _batch(reference.args.vocab_size)
+        full_logits = reference(tokens, doc_ids)
+        _loss(full_logits, labels).backward()
+
+        model = _model()
+        group = dist.group.WORLD
+        apply_context_parallel(model, group)
+        local = model(shard_sequence(tokens, group), shard_sequence(doc_ids, group))
+        _loss(local, shard_sequence(labels, group)).backward()
+
+        logits = torch.cat([torch.empty_like(local) for _ in range(WORLD)], 1)
+        dist.all_gather(list(logits.chunk(WORLD, 1)), local.detach().contiguous())
+        assert _rel(logits, full_logits.detach()) < RTOL
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            assert _rel(grad, ref.grad) < RTOL, (name, _rel(grad, ref.grad))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_rank_in_outputs_and_gradients():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(port,), nprocs=WORLD)

@@ -1,0 +1,133 @@
+"""Long-context evaluation at the end of a context stage: loss by position and a needle probe.
+
+    loss by position   mean next-token loss of the tokens whose position inside their document
+                       falls in [lo, hi), for the buckets 0–1K, 1K–8K, 8K–64K, 64K–256K,
+                       256K–1M (clipped to the sequence length; empty buckets are left out)
+    needle probe       a random key → value token phrase is written into corpus text at a depth
+                       d ∈ [0, 1] of a context of L tokens; the context ends with the key again.
+                       Scores: mean log-prob of the value tokens given the rest (teacher forced)
+                       and accuracy (every value token is the argmax).
+Random-token phrases need no tokenizer and cannot be guessed from the haystack. Logits are
+computed once per sequence under no_grad; the cross-entropy runs in chunks of positions, so
+only the model's [T, vocab] logits (not an fp32 copy) are ever held.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+POSITION_BUCKETS = (0, 1024, 8192, 65536, 262144, 1048576)
+LOSS_CHUNK = 8192  # positions per cross-entropy call
+
+
+@dataclass(frozen=True)
+class NeedleSpec:
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    trials: int = 2
+    key_tokens: int = 4
+    value_tokens: int = 4
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """[B, T] document index per token (nondecreasing) -> each token's position in its document."""
+    t = doc_ids.shape[-1]
+    index = torch.arange(t, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=-1).values
+
+
+@torch.no_grad()
+def token_losses(model: nn.Module, tokens: Tensor, labels: Tensor,
+                 doc_ids: Tensor | None = None) -> Tensor:
+    """[B, T] next-token cross-entropy of every position, in float32."""
+    logits = model(tokens, doc_ids)
+    losses = [
+        F.cross_entropy(logits[:, s : s + LOSS_CHUNK].float().flatten(0, 1),
+                        labels[:, s : s + LOSS_CHUNK].flatten(), reduction="none")
+        for s in range(0, tokens.shape[1], LOSS_CHUNK)
+    ]
+    return torch.cat([x.view(tokens.shape[0], -1) for x in losses], 1)
+
+
+def loss_by_position(losses: Tensor, doc_ids: Tensor | None,
+                     buckets: Sequence[int] = POSITION_BUCKETS) -> dict[str, float]:
+    """Mean loss per document-position bucket, keyed `long_context/loss_pos_<lo>_<hi>`."""
+    if doc_ids is None:
+        doc_ids = torch.zeros(losses.shape, dtype=torch.long, device=losses.device)
+    positions = document_positions(doc_ids)
+    metrics = {}
+    for lo, hi in zip(buckets[:-1], buckets[1:], strict=True):
+        inside = (positions >= lo) & (positions < hi)
+        if inside.any():
+            metrics[f"long_context/loss_pos_{_short(lo)}_{_short(hi)}"] = float(
+                losses[inside].double().mean())
+    return metrics
+
+
+@torch.no_grad()
+def needle_probe(model: nn.Module, haystack: Tensor, spec: NeedleSpec, vocab_size: int,
+                 seed: int = 0) -> dict[str, float]:
+    """Needle log-prob and accuracy per (length, depth), keyed `long_context/needle_*`."""
+    generator = torch.Generator().manual_seed(seed)
+    phrase = spec.key_tokens + spec.value_tokens
+    metrics = {}
+    for length in spec.lengths:
+        if length > haystack.numel() or length < 2 * phrase + spec.key_tokens:
+            raise ValueError(f"needle length {length} must lie in "
+                             f"[{2 * phrase + spec.key_tokens}, {haystack.numel()}]")
+        for depth in spec.depths:
+            logprobs, hits = [], []
+            for _ in range(spec.trials):
+                tokens, value_at = _needle_context(haystack, length, depth, spec, vocab_size,
+                                                   generator)
+                tokens = tokens.to(haystack.device)
+                logits = model(tokens[None, :-1])[0, value_at - 1 :].float()
+                value = tokens[value_at:]
+                logprobs.append(logits.log_softmax(-1).gather(-1, value[:, None]).mean())
+                hits.append((logits.argmax(-1) == value).all().float())
+            name = f"len{_short(length)}_depth{depth:g}"
+            metrics[f"long_context/needle_logprob/{name}"] = float(torch.stack(logprobs).mean())
+            metrics[f"long_context/needle_acc/{name}"] = float(torch.stack(hits).mean())
+    return metrics
+
+
+def _needle_context(haystack: Tensor, length: int, depth: float, spec: NeedleSpec,
+                    vocab_size: int, generator: torch.Generator) -> tuple[Tensor, int]:
+    """(context of `length` tokens ending in key + value, index of the first value token)."""
+    key = torch.randint(0, vocab_size, (spec.key_tokens,), generator=generator)
+    value = torch.randint(0, vocab_size, (spec.value_tokens,), generator=generator)
+    needle = torch.cat([key, value])
+    text = haystack[: length - 2 * needle.numel()].cpu()
+    at = round(depth * text.numel())
+    # The needle again at the end: its key is the query, its value what is scored.
+    tokens = torch.cat([text[:at], needle, text[at:], needle])
+    return tokens, length - spec.value_tokens
+
+
+def long_context_metrics(model: nn.Module, tokens: Tensor, labels: Tensor,
+                         doc_ids: Tensor | None, spec: NeedleSpec, vocab_size: int,
+                         buckets: Sequence[int] = POSITION_BUCKETS) -> dict[str, float]:
+    """Both evaluations on one batch of corpus windows (its first row is the haystack)."""
+    was_training = model.training
+    model.eval()
+    try:
+        metrics = loss_by_position(token_losses(model, tokens, labels, doc_ids), doc_ids,
+                                   buckets)
+        metrics.update(needle_probe(model, tokens[0], spec, vocab_size))
+    finally:
+        model.train(was_training)
+    return metrics
+
+
+def _short(n: int) -> str:
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n >> 10}K"
+    return str(n)
