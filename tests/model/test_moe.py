@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from titan_moe.model.moe import LatentMoE
-from titan_moe.model.router import Router, topk_lowest_index_on_ties
+from titan_moe.model.router import Router
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from titan_moe.ops.router import topk_lowest_index_on_ties
 
 FLOAT64_TOL = 1e-10
 COMPILE_TOL = 1e-5
