@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.router.naive import qb_route_naive, routed_load, topk_lowest_index_on_ties
-from titan_moe.ops.router.qb_route_triton import qb_route_triton
+from titan_moe.ops.router.qb_route_triton import qb_route_triton, validate_route_inputs
 
 __all__ = ["qb_route", "qb_route_naive", "qb_route_triton", "routed_load",
            "topk_lowest_index_on_ties"]
@@ -32,6 +32,7 @@ def qb_route(
     See `naive.qb_route_naive` for the definition; hist and load have 0 rows when
     with_histogram is False.
     """
+    validate_route_inputs(logits, bias, top_k, valid)
     if logits.is_cuda and logits.dtype in _TRITON_DTYPES:
         return qb_route_triton(logits, bias, valid, top_k, route_scale, n_bins, with_histogram)
     return qb_route_naive(logits, bias, top_k, route_scale, n_bins, valid, with_histogram)
