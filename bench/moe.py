@@ -1,17 +1,21 @@
 """MoE benchmark: our LatentMoE layer and sigmoid QB router against torchtitan 0.2.2's MoE.
 
     python bench/moe.py                         # H200: the shapes of the QB routing issue
-    python bench/moe.py --device cpu --tokens 256 --shapes 256,128,8,2   # smoke run on CPU
+    python bench/moe.py --tiny                  # smoke run at tiny shapes (CPU)
 
 For each shape (d, expert hidden, E, top-k) and T tokens it times forward and forward+backward,
 eager and compiled (median of --iters after --warmup), for:
   titan_moe  LatentMoE with latent width = d (so its experts have torchtitan's shapes), one shared
              expert of the same hidden width, the QB histogram on;
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
-Routing alone, at --route-shape (default T 16384, E 896, k 16, d 7168): our router (GEMM +
-sigmoid + stable top-(k+1) + weights + QB histogram) against GEMM + sigmoid + torch.topk(k+1) +
-a separate scatter histogram. Prints a table and writes JSON (--out). torchtitan's MoE is timed
-on CUDA only: its router calls torch.histc on int64, which has no CPU kernel.
+The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
+E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
+Routing alone, at --route-shape (default T 16384, E 896, k 16, d 7168), given the fp32 logits:
+our qb_route (the one-pass Triton op on CUDA: σ, top-(k+1), weights, QB histogram, load)
+against σ + torch.topk(k+1) + weights + a separate scatter histogram (`qb_histogram`); also the
+router GEMM + σ and the whole Router forward (GEMM + op + accumulation). Prints a table and
+writes JSON (--out). torchtitan's MoE is timed on CUDA only: its router calls torch.histc on
+int64, which has no CPU kernel.
 """
 
 import argparse
@@ -23,9 +27,12 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import qb_histogram
-from titan_moe.model.router import Router, topk_lowest_index_on_ties
+from titan_moe.model.router import Router
+from titan_moe.ops.router import qb_route
 
-ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8"
+ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8;3584,3072,384,16"
+TINY = {"tokens": 64, "shapes": "32,16,8,2", "route_shape": "64,16,2,32", "warmup": 1,
+        "iters": 2}
 
 
 def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dtype: torch.dtype):
@@ -67,29 +74,30 @@ def bench_routing(tokens, experts, k, d, device, warmup, iters) -> dict:
     router = Router(d, experts, k).to(device).train()
     router.init_weights(0.02)
     x = torch.randn(tokens, d, device=device)
-
-    def ours():
-        router(x)
-
-    def baseline():
-        s = torch.sigmoid(x @ router.weight.t())
-        vals, ids = torch.topk(s + router.expert_bias, k + 1)
-        chosen = s.gather(-1, ids[:, :k])
-        hist = qb_histogram(s, vals[:, k], router.expert_bias)
-        return chosen / chosen.sum(-1, keepdim=True), hist
-
     logits = x @ router.weight.t()
+    bias = router.expert_bias
 
-    def given_logits():
+    def gemm_sigmoid():
+        return torch.sigmoid(x @ router.weight.t())
+
+    def ours_given_logits():
+        return qb_route(logits, bias, k)
+
+    def topk_plus_histogram_given_logits():
         s = torch.sigmoid(logits)
-        vals, ids = topk_lowest_index_on_ties(s + router.expert_bias, k + 1)
+        vals, ids = torch.topk(s + bias, k + 1)
         chosen = s.gather(-1, ids[:, :k])
-        hist = qb_histogram(s, vals[:, k], router.expert_bias)
+        hist = qb_histogram(s, vals[:, k], bias)
         return chosen / chosen.sum(-1, keepdim=True), hist
 
-    return {"ours_ms": timed(ours, device, warmup, iters),
-            "topk_plus_histogram_ms": timed(baseline, device, warmup, iters),
-            "ours_given_logits_ms": timed(given_logits, device, warmup, iters)}
+    def whole_router():
+        return router(x)
+
+    return {"gemm_sigmoid_ms": timed(gemm_sigmoid, device, warmup, iters),
+            "ours_given_logits_ms": timed(ours_given_logits, device, warmup, iters),
+            "topk_plus_histogram_given_logits_ms": timed(
+                topk_plus_histogram_given_logits, device, warmup, iters),
+            "whole_router_ms": timed(whole_router, device, warmup, iters)}
 
 
 def main() -> None:
@@ -101,8 +109,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                       for k, v in TINY.items()))
     parser.add_argument("--out", default="bench/moe.json")
     opts = parser.parse_args()
+    if opts.tiny:
+        vars(opts).update(TINY)
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split(",")) for s in opts.shapes.split(";")]
     modes = [False] if opts.no_compile else [False, True]

@@ -3,12 +3,13 @@ import math
 import pytest
 import torch
 
-from titan_moe.model.moe import LatentMoE
-from titan_moe.model.router import Router, topk_lowest_index_on_ties
+from titan_moe.model.moe import LatentMoE, dispatch_layout
+from titan_moe.model.router import Router
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from titan_moe.ops.router import topk_lowest_index_on_ties
 
 FLOAT64_TOL = 1e-10
-COMPILE_TOL = 1e-5
+COMPILE_TOL = 1e-5  # float32, relative to the largest magnitude of the tensor (at least 1)
 BETA1, BETA2 = 4.0, 25.0
 
 
@@ -95,7 +96,9 @@ def _naive_latent_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x)
 
 
-def _small_moe(n_shared: int, seed: int, dtype: torch.dtype = torch.float64) -> LatentMoE:
+def _small_moe(
+    n_shared: int, seed: int, dtype: torch.dtype = torch.float64, group_align: int = 8
+) -> LatentMoE:
     torch.manual_seed(seed)
     moe = LatentMoE(
         dim=12,
@@ -106,6 +109,7 @@ def _small_moe(n_shared: int, seed: int, dtype: torch.dtype = torch.float64) -> 
         expert_hidden=10,
         shared_hidden=7,
         route_scale=1.7,
+        group_align=group_align,
     )
     moe.init_weights(init_std=0.4, out_init_std=0.3)
     moe = moe.to(dtype)
@@ -115,9 +119,9 @@ def _small_moe(n_shared: int, seed: int, dtype: torch.dtype = torch.float64) -> 
     return moe
 
 
-@pytest.mark.parametrize("n_shared", [2, 0])
-def test_latent_moe_matches_naive_loop_float64(n_shared: int):
-    moe = _small_moe(n_shared, seed=3)
+@pytest.mark.parametrize(("n_shared", "group_align"), [(2, 8), (0, 1), (1, 3)])
+def test_latent_moe_matches_naive_loop_float64(n_shared: int, group_align: int):
+    moe = _small_moe(n_shared, seed=3, group_align=group_align)
     x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     grad_out = torch.randn(2, 5, 12, dtype=torch.float64)
@@ -139,6 +143,24 @@ def test_latent_moe_matches_naive_loop_float64(n_shared: int):
     unbiased = scores.topk(2).indices.sort().values
     biased = (scores + moe.router.expert_bias).topk(2).indices.sort().values
     assert not torch.equal(unbiased, biased)
+
+
+@pytest.mark.parametrize("align", [1, 4, 16])
+def test_dispatch_layout_groups_pairs_in_aligned_blocks(align: int):
+    gen = torch.Generator().manual_seed(7)
+    n_experts = 6
+    pair_expert = torch.randint(n_experts, (41,), generator=gen)
+    pair_expert[pair_expert == 2] = 3  # an empty group
+    dest, offs, n_rows = dispatch_layout(pair_expert, n_experts, align)
+    assert offs.dtype == torch.int32 and n_rows % align == 0
+    assert n_rows == -(-(41 + n_experts * (align - 1)) // align) * align  # the static bound
+    assert len(set(dest.tolist())) == 41 and dest.max().item() < offs[-1].item() <= n_rows
+    starts = [0] + offs[:-1].tolist()
+    for e, (start, end) in enumerate(zip(starts, offs.tolist(), strict=True)):
+        mine = (pair_expert == e).nonzero().flatten()
+        assert start % align == 0 and end - start == -(-len(mine) // align) * align
+        # The group's first rows hold its pairs, in pair order; the rest is padding.
+        assert dest[mine].tolist() == list(range(start, start + len(mine)))
 
 
 def test_valid_mask_does_not_change_output():
@@ -176,13 +198,22 @@ def test_init_weights_initialises_every_expert():
     assert torch.equal(moe.router.expert_bias, torch.zeros(8))
 
 
-def test_compiled_matches_eager_float32():
+def test_compiled_fullgraph_matches_eager_float32_forward_and_backward():
+    """fullgraph=True: the whole layer (routing, dispatch, experts, combine) is one graph."""
     moe = _small_moe(n_shared=1, seed=6, dtype=torch.float32)
-    x = torch.randn(2, 6, 12)
-    eager = moe(x)
+    x = torch.randn(2, 6, 12, requires_grad=True)
+    params = [x, *moe.parameters()]
+
+    def run(fn):
+        out = fn(x)
+        return [out, *torch.autograd.grad(out.square().sum(), params)]
+
+    eager = run(moe)
     eager_hist = moe.router.qb_hist.clone()
     moe.router.reset_qb_stats()
-    compiled = torch.compile(moe, fullgraph=True)(x)
-    assert (compiled - eager).abs().max().item() <= COMPILE_TOL
+    compiled = run(torch.compile(moe, fullgraph=True))
+    for got, want in zip(compiled, eager, strict=True):
+        scale = max(1.0, want.abs().max().item())
+        assert (got - want).abs().max().item() <= COMPILE_TOL * scale
     # The compiled forward still feeds Quantile Balancing.
     assert torch.equal(moe.router.qb_hist, eager_hist)

@@ -5,9 +5,13 @@
     u = Σ_{e∈I} p_e · W2_e situ_glu(W1_e z, W3_e z)
     y = W_up RMSNorm_ℓ(u) + SiTUGLU_shared(x)
 
-Dropless: the N·k (token, slot) pairs are sorted by expert (stable), the experts run as grouped
-GEMMs over the contiguous groups, and the results are gathered back to (token, slot) order and
-summed with the combine weights. Every shape is static and nothing syncs with the host.
+Dropless: the N·k (token, slot) pairs are sorted by expert (stable) and copied into expert
+groups, each padded with zero rows to a multiple of `group_align` (the grouped GEMM's alignment:
+8 rows for bf16, 16 for float8). Every group may need up to align - 1 padding rows, so the
+buffer has the static size round_up(N·k + E·(align - 1), align) and rows past the last group's
+end are left over. The experts run as grouped GEMMs over the groups; the results are gathered
+back to (token, slot) order and summed with the combine weights. Every shape is static and
+nothing syncs with the host, so torch.compile(fullgraph=True) traces the layer.
 """
 
 import torch
@@ -32,9 +36,11 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x [M, dim] with rows grouped by expert, offs [E] int32 group ends -> [M, dim].
+        """x [M, dim] with rows grouped by expert, offs [E] int32 cumulative group ends -> [M, dim].
 
-        Dropless dispatch fills every row (offs[-1] == M), so no padding rows need masking.
+        Zero rows inside a group give zero output rows (SiTU-GLU(0) = 0). Rows at or past
+        offs[-1] are not computed: their output, and the gradient of x there, are unspecified
+        (uninitialised on the torch._grouped_mm path), so callers must not read them.
         """
         a = grouped_mm(x, self.w1, offs, zero_padding_rows=False)
         b = grouped_mm(x, self.w3, offs, zero_padding_rows=False)
@@ -44,6 +50,33 @@ class GroupedExperts(nn.Module):
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for w, std in ((self.w1, init_std), (self.w3, init_std), (self.w2, out_init_std)):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def dispatch_layout(
+    pair_expert: torch.Tensor, n_experts: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each (token, slot) pair goes in the expert-grouped, padded buffer.
+
+    pair_expert [P] int64 expert of each pair -> (dest [P] int64 row of each pair, offs [E] int32
+    padded group ends, n_rows static buffer size). Pairs keep their order inside a group.
+    """
+    n_pairs = pair_expert.numel()
+    n_rows = _round_up(n_pairs + n_experts * (align - 1), align)
+    sorted_expert, order = torch.sort(pair_expert, stable=True)
+    experts = torch.arange(n_experts, device=pair_expert.device)
+    ends = torch.searchsorted(sorted_expert, experts + 1)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded_counts, 0)
+    # Every pair of group e moves from its sorted position by the group's change of start.
+    shift = (padded_ends - padded_counts) - (ends - counts)
+    dest_sorted = torch.arange(n_pairs, device=pair_expert.device) + shift[sorted_expert]
+    dest = torch.empty_like(order).scatter_(0, order, dest_sorted)
+    return dest, padded_ends.to(torch.int32), n_rows
 
 
 class LatentMoE(nn.Module):
@@ -64,10 +97,14 @@ class LatentMoE(nn.Module):
         norm_eps: float = 1e-5,
         n_bins: int = 1000,
         layer_id: int = 0,
+        group_align: int = 8,
     ):
         super().__init__()
+        if group_align < 1:
+            raise ValueError(f"group_align must be >= 1, got {group_align}")
         self.n_experts = n_experts
         self.top_k = top_k
+        self.group_align = group_align
         self.router = Router(dim, n_experts, top_k, route_scale, n_bins, layer_id)
         self.w_down = nn.Linear(dim, latent_dim, bias=False)
         self.experts = GroupedExperts(n_experts, latent_dim, expert_hidden, beta1, beta2)
@@ -85,19 +122,16 @@ class LatentMoE(nn.Module):
         expert_ids, weights = self.router(x_flat, None if valid is None else valid.reshape(-1))
         z = self.w_down(x_flat)
 
-        pair_expert = expert_ids.reshape(-1)
-        sorted_expert, order = torch.sort(pair_expert, stable=True)
-        group_ends = torch.arange(1, self.n_experts + 1, device=x.device)
-        offs = torch.searchsorted(sorted_expert, group_ends, out_int32=True)
-        # Each pair gets its own row of z before the permutation, so the backward of the
-        # permutation writes every row once (no atomics) and the k copies reduce deterministically.
-        z_pairs = z.unsqueeze(1).expand(n_tokens, k, z.shape[-1]).reshape(n_tokens * k, -1)
-        expert_out = self.experts(z_pairs.index_select(0, order), offs)
-
-        inverse = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=x.device)
+        dest, offs, n_rows = dispatch_layout(
+            expert_ids.reshape(-1), self.n_experts, self.group_align
         )
-        pair_out = expert_out.index_select(0, inverse).view(n_tokens, k, -1)
+        # Each pair gets its own row of z before the copy, so the backward of the copy (a gather)
+        # reads every row once and the k copies of a token reduce deterministically.
+        z_pairs = z.unsqueeze(1).expand(n_tokens, k, z.shape[-1]).reshape(n_tokens * k, -1)
+        z_grouped = z.new_zeros(n_rows, z.shape[-1]).index_copy(0, dest, z_pairs)
+        expert_out = self.experts(z_grouped, offs)
+        # Only the pairs' rows are read back: padding and leftover rows get no gradient.
+        pair_out = expert_out.index_select(0, dest).view(n_tokens, k, -1)
         u = (pair_out.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
         y = self.w_up(self.norm(u.to(x.dtype)))
         if self.shared is not None:

@@ -4,27 +4,17 @@
     I = topk(s + b, k)                   b: QB bias, no gradient; ties go to the lower expert index
     p_e = ρ · s_e / Σ_{j∈I} s_j,  e ∈ I  combine weights from the unbiased scores
 
-The top-(k+1) is taken so the QB cutoff alpha = (k+1)-th biased score comes for free; the
-histogram of r = alpha - s is accumulated here (see quantile_balance.py) on training forwards
-that are not activation-checkpoint recomputes.
+The router GEMM runs here; everything after the logits (σ, the top-(k+1), the weights, the QB
+histogram of r = alpha - s and the expert load) is `titan_moe.ops.router.qb_route`, one Triton
+pass on CUDA. The statistics are added to this router's buffers on training forwards that are
+not activation-checkpoint recomputes.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_moe.model.quantile_balance import qb_histogram
-
-
-def topk_lowest_index_on_ties(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk over the last dim, ties broken towards the lower index.
-
-    torch.topk promises no order among equal values; a stable descending sort keeps them in index
-    order and changes nothing else. On an H200 sorting [16384, 896] fp32 rows took 0.53 ms against
-    0.50 ms for topk(17) (CPU sorts are slower, but CPU runs are debug-sized).
-    """
-    top_values, ids = values.sort(dim=-1, descending=True, stable=True)
-    return top_values[..., :k], ids[..., :k]
+from titan_moe.ops.router import qb_route
 
 
 def _in_backward() -> bool:
@@ -91,41 +81,22 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], valid [N] bool -> (expert ids [N, k] int64, combine weights [N, k]).
 
-        Scores and weights are fp32 (float64 for float64 x, as in the exactness tests).
+        Logits and weights are fp32 (float64 for float64 x, as in the exactness tests).
         """
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.to(compute_dtype), self.weight.to(compute_dtype)))
-        biased = scores.detach() + self.expert_bias
-        top_values, top_ids = topk_lowest_index_on_ties(biased, self.top_k + 1)
-        expert_ids = top_ids[:, : self.top_k]
-        chosen = scores.gather(-1, expert_ids)
-        weights = chosen / chosen.sum(-1, keepdim=True) * self.route_scale
+            logits = F.linear(x.to(compute_dtype), self.weight.to(compute_dtype))
+        expert_ids, weights, hist, load = qb_route(
+            logits, self.expert_bias, self.top_k, self.route_scale, self.n_bins, valid,
+            with_histogram=self.training,
+        )  # fmt: skip
         if self.training:
-            self._accumulate(scores.detach(), top_values[:, self.top_k], expert_ids, valid)
+            add_qb_stats(self.qb_hist, hist, self.expert_load, load)
+            # Exact QB mode (tests) is eager-only: the kept scores are a Python list.
+            if self.keep_scores and not _in_backward():
+                valid = torch.ones_like(logits[:, 0], dtype=torch.bool) if valid is None else valid
+                self.kept_scores.append((torch.sigmoid(logits.detach()), valid.clone()))
         return expert_ids, weights
-
-    @torch.no_grad()
-    def _accumulate(
-        self,
-        scores: torch.Tensor,
-        cutoff: torch.Tensor,
-        expert_ids: torch.Tensor,
-        valid: torch.Tensor | None,
-    ) -> None:
-        hist = qb_histogram(scores, cutoff, self.expert_bias, self.n_bins, valid)
-        if valid is None:
-            counts = torch.ones_like(expert_ids, dtype=torch.int32)
-        else:
-            counts = valid.to(torch.int32).unsqueeze(-1).expand_as(expert_ids)
-        load = torch.zeros_like(self.expert_load).scatter_add_(
-            0, expert_ids.reshape(-1), counts.reshape(-1)
-        )
-        add_qb_stats(self.qb_hist, hist, self.expert_load, load)
-        # Exact QB mode (tests) is eager-only: the kept scores are a Python list.
-        if self.keep_scores and not _in_backward():
-            valid = torch.ones_like(cutoff, dtype=torch.bool) if valid is None else valid
-            self.kept_scores.append((scores.clone(), valid.clone()))
 
     def reset_qb_stats(self) -> None:
         """Zero the histogram and load counts and drop kept scores (after a QB step)."""

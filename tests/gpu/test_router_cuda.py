@@ -1,0 +1,90 @@
+"""qb_route's Triton op and the LatentMoE layer on CUDA (`pytest -m gpu`).
+
+The op against its PyTorch reference on the same GPU: ids, weights, histogram and load must be
+equal bit for bit (both compute σ as 1 / (1 + expf(-x)) with an IEEE division, see
+qb_route_triton.py), at the routing issue's E = 896, k = 16 and at the proxy's E = 64, k = 8;
+the weight gradient as relative RMS error. The bf16 layer (torch._grouped_mm, padded groups)
+against the same layer in float64 on CPU with identical routes forced by a large bias gap.
+"""
+
+import pytest
+import torch
+
+from titan_moe.model.moe import LatentMoE
+from titan_moe.ops.router import qb_route_naive, qb_route_triton
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+FP32_GRAD_RTOL = 1e-6
+BF16_RTOL = 3e-2  # relative RMS error of a bf16 layer against float64
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize(("n_tokens", "n_experts", "k", "dtype"), [
+    (16384, 896, 16, torch.float32), (4096, 64, 8, torch.float32), (1000, 130, 4, torch.bfloat16),
+])
+def test_op_equals_reference_on_cuda(n_tokens, n_experts, k, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (2 * torch.randn(n_tokens, n_experts, device="cuda", generator=gen)).to(dtype)
+    logits[:, ::7] = logits[:, :1]  # ties within every row
+    bias = 0.1 * torch.randn(n_experts, device="cuda", generator=gen)
+    bias[::7] = bias[0]  # and in s + b
+    valid = torch.rand(n_tokens, device="cuda", generator=gen) > 0.1
+    ours = logits.clone().requires_grad_()
+    got = qb_route_triton(ours, bias, valid, k, 1.0, 1000, True)
+    ref = logits.clone().requires_grad_()
+    want = qb_route_naive(ref, bias, k, 1.0, 1000, valid)
+    for name, g, w in zip(("ids", "weights", "hist", "load"), got, want, strict=True):
+        assert torch.equal(g.detach(), w.detach()), name
+    grad_out = torch.randn(n_tokens, k, device="cuda", generator=gen)
+    (got_grad,) = torch.autograd.grad((got[1] * grad_out).sum(), ours)
+    (want_grad,) = torch.autograd.grad((want[1] * grad_out).sum(), ref)
+    assert rel_rms(got_grad, want_grad) <= FP32_GRAD_RTOL
+
+
+def test_opcheck_on_cuda():
+    logits = torch.randn(64, 32, device="cuda", requires_grad=True)
+    bias = torch.zeros(32, device="cuda")
+    torch.library.opcheck(qb_route_triton, (logits, bias, None, 4, 1.0, 1000, True))
+
+
+def _layer(device: str, dtype: torch.dtype) -> LatentMoE:
+    torch.manual_seed(0)
+    moe = LatentMoE(dim=256, n_experts=16, top_k=4, n_shared=1, latent_dim=128,
+                    expert_hidden=192, shared_hidden=192, group_align=8)
+    moe.init_weights(0.05, 0.05)
+    with torch.no_grad():
+        # A bias gap of 1 decides the routes: bf16 and float64 scores cannot reorder them.
+        moe.router.expert_bias.copy_(torch.arange(16).remainder(4).eq(0).float())
+    moe = moe.to(device=device, dtype=dtype)
+    moe.router.float()
+    return moe
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_latent_moe_bf16_on_cuda_matches_float64(compiled):
+    x = torch.randn(2, 300, 256)
+    grad_out = torch.randn(2, 300, 256)
+    ref = _layer("cpu", torch.float64)
+    x_ref = x.double().requires_grad_()
+    out_ref = ref(x_ref)
+    (out_ref * grad_out.double()).sum().backward()
+
+    moe = _layer("cuda", torch.bfloat16)
+    fn = torch.compile(moe, fullgraph=True) if compiled else moe
+    x_gpu = x.cuda().bfloat16().requires_grad_()
+    out = fn(x_gpu)
+    (out.float() * grad_out.cuda()).sum().backward()
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, out_ref) <= BF16_RTOL
+    assert rel_rms(x_gpu.grad, x_ref.grad) <= BF16_RTOL
+    params = dict(ref.named_parameters())
+    for name, p in moe.named_parameters():
+        assert rel_rms(p.grad, params[name].grad) <= BF16_RTOL, name

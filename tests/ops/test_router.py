@@ -1,0 +1,188 @@
+"""qb_route: the PyTorch reference against a per-token loop, and the Triton op (run by Triton's
+CPU interpreter in a child process, see tests/ops/test_kda_triton.py for why) against the
+reference.
+
+Op vs reference is exact: ids, weights (their bits), histogram and load must be equal. The two
+compute σ with different exp functions on CPU (NumPy's in the interpreter, torch's in the
+reference), so test logits are drawn from values where the two σ agree bit for bit; ties come
+from repeating values within a row and in the bias. The gradient w.r.t. the logits (PyTorch in
+both, summed in different orders) is compared as relative RMS error, bound FP32_GRAD_RTOL.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from titan_moe.model.quantile_balance import qb_range
+from titan_moe.ops.router import qb_route, qb_route_naive
+
+FP32_GRAD_RTOL = 1e-6
+LOOP_WEIGHT_TOL = {torch.float32: 1e-6, torch.float64: 1e-14}  # vs the loop in Python floats
+CHILD_TIMEOUT_S = 300
+
+# name -> (T, E, k, route_scale, n_bins, logits kind, with valid mask, with histogram, dtype)
+CASES = {
+    "T37-E12-k3-valid": (37, 12, 3, 1.5, 50, "random", True, True, torch.float32),
+    "ties-T40-E10-k4": (40, 10, 4, 1.0, 1000, "ties", False, True, torch.float32),
+    "E300-k16-T21": (21, 300, 16, 1.0, 1000, "random", True, True, torch.float32),
+    "E64-k8-T130-bf16": (130, 64, 8, 2.0, 1000, "random", False, True, torch.bfloat16),
+    "no-histogram": (19, 12, 2, 1.0, 1000, "random", True, False, torch.float32),
+}
+
+
+def sigmoid_agreeing_values(dtype: torch.dtype) -> torch.Tensor:
+    """Logit values in [-6, 6] (exact in dtype) whose torch σ equals 1 / (1 + np.exp(-x))."""
+    grid = torch.linspace(-6, 6, 4097).to(dtype).unique().float()
+    ours = torch.from_numpy(np.float32(1) / (np.float32(1) + np.exp(-grid.numpy())))
+    return grid[torch.sigmoid(grid) == ours]
+
+
+def make_inputs(n_tokens, n_experts, kind, with_valid, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pool = sigmoid_agreeing_values(dtype)
+    if kind == "ties":
+        pool = pool[torch.randperm(len(pool), generator=gen)[:4]]  # four levels: rows of ties
+    logits = pool[torch.randint(len(pool), (n_tokens, n_experts), generator=gen)].to(dtype)
+    bias = 0.1 * torch.randn(n_experts, generator=gen)
+    if kind == "ties":
+        bias = bias[torch.arange(n_experts) % 3]  # equal bias for experts 0, 3, 6, ...
+    valid = torch.rand(n_tokens, generator=gen) > 0.3 if with_valid else None
+    return logits, bias, valid
+
+
+def run_case(n_tokens, n_experts, k, route_scale, n_bins, kind, with_valid, with_hist, dtype):
+    from titan_moe.ops.router import qb_route_triton
+
+    logits, bias, valid = make_inputs(n_tokens, n_experts, kind, with_valid, dtype)
+    want = qb_route_naive(logits.requires_grad_(), bias, k, route_scale, n_bins, valid, with_hist)
+    ours = logits.detach().clone().requires_grad_()
+    got = qb_route_triton(ours, bias, valid, k, route_scale, n_bins, with_hist)
+    report = {name: bool(torch.equal(g.detach(), w.detach().to(g.dtype)))
+              for name, g, w in zip(("ids", "weights", "hist", "load"), got, want, strict=True)}
+    report["shapes"] = [list(t.shape) for t in got] == [list(t.shape) for t in want]
+    report["weights_fp32"] = got[1].dtype == torch.float32
+    grad_out = torch.randn(n_tokens, k, generator=torch.Generator().manual_seed(1))
+    (want_grad,) = torch.autograd.grad((want[1] * grad_out).sum(), logits)
+    (got_grad,) = torch.autograd.grad((got[1] * grad_out).sum(), ours)
+    report["grad_dtype_ok"] = got_grad.dtype == dtype
+    report["grad_rel"] = ((got_grad.double() - want_grad.double()).norm()
+                          / want_grad.double().norm()).item()
+    return report
+
+
+def run_opcheck() -> dict:
+    from titan_moe.ops.router import qb_route_triton
+
+    logits, bias, valid = make_inputs(9, 6, "random", True, torch.float32)
+    checks = torch.library.opcheck(
+        qb_route_triton, (logits.requires_grad_(), bias, valid, 2, 1.0, 1000, True),
+        test_utils=("test_schema", "test_autograd_registration"),
+    )  # fmt: skip
+    return {name: str(outcome) for name, outcome in checks.items()}
+
+
+def guarded(fn, *args) -> dict:
+    """fn(*args), or the exception as {"error": ...}, so one failing case names itself."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """Every interpreted case, from one child process (this file run as a script)."""
+    child = subprocess.run(
+        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_op_equals_reference_under_interpreter(results, name):
+    equal = {key: value for key, value in results[name].items() if key != "grad_rel"}
+    assert equal.get("error") is None and all(equal.values()), equal
+    assert results[name]["grad_rel"] <= FP32_GRAD_RTOL
+
+
+def test_opcheck_schema_and_autograd(results):
+    report = results["opcheck"]
+    assert "error" not in report, report.get("error")
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def _loop_reference(logits, bias, k, route_scale, n_bins, valid):
+    """Token by token in Python floats: sorted top-(k+1), weights, cutoffs; bins via the spec."""
+    scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    n_experts = logits.shape[-1]
+    lo, hi = qb_range(bias)
+    hist = torch.zeros(n_experts, n_bins, dtype=torch.int32)
+    load = torch.zeros(n_experts, dtype=torch.int32)
+    ids, weights = [], []
+    for t, row in enumerate(scores.tolist()):
+        biased = [s + b for s, b in zip(row, bias.to(scores.dtype).tolist(), strict=True)]
+        order = sorted(range(n_experts), key=lambda e: (-biased[e], e))
+        chosen = order[:k]
+        ids.append(chosen)
+        weights.append([row[e] / sum(row[j] for j in chosen) * route_scale for e in chosen])
+        if valid is None or valid[t]:
+            alpha = torch.tensor(biased[order[k]], dtype=torch.float32)
+            r = alpha - scores[t].float()
+            bins = ((r - lo) * (n_bins / (hi - lo))).floor().clamp(0, n_bins - 1).long()
+            for e in range(n_experts):
+                hist[e, bins[e]] += 1
+            for e in chosen:
+                load[e] += 1
+    return torch.tensor(ids), torch.tensor(weights, dtype=torch.float64), hist, load
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_reference_matches_per_token_loop(kind, dtype):
+    logits, bias, valid = make_inputs(45, 11, kind, True, torch.float32, seed=2)
+    logits = logits.to(dtype)
+    ids, weights, hist, load = qb_route(logits, bias, 4, 1.3, 64, valid)
+    want_ids, want_weights, want_hist, want_load = _loop_reference(logits, bias, 4, 1.3, 64, valid)
+    assert torch.equal(ids, want_ids)
+    assert (weights.double() - want_weights).abs().max().item() <= LOOP_WEIGHT_TOL[dtype]
+    assert torch.equal(hist, want_hist) and torch.equal(load, want_load)
+    assert hist.sum().item() == int(valid.sum()) * 11
+
+
+def test_reference_weight_gradient_matches_formula():
+    """p_j = ρ s_j / S: the reference's autograd against the closed form, in float64."""
+    logits, bias, _ = make_inputs(8, 7, "random", False, torch.float32, seed=3)
+    logits = logits.double().requires_grad_()
+    ids, weights, _, _ = qb_route(logits, bias, 3, 0.7, with_histogram=False)
+    g = torch.randn(8, 3, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((weights * g).sum(), logits)
+    s = torch.sigmoid(logits.detach()).gather(-1, ids)
+    total = s.sum(-1, keepdim=True)
+    grad_s = 0.7 / total * (g - (g * s).sum(-1, keepdim=True) / total)
+    want = torch.zeros(8, 7, dtype=torch.float64).scatter_(-1, ids, grad_s * s * (1 - s))
+    assert (grad - want).abs().max().item() <= 1e-15
+    assert math.isclose(weights.sum(-1).mean().item(), 0.7, rel_tol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("shape", "bias_shape", "k", "valid_shape", "field"),
+    [((4, 6, 1), (6,), 2, None, "logits"), ((4, 6), (5,), 2, None, "bias"),
+     ((4, 6), (6,), 6, None, "top_k"), ((4, 6), (6,), 2, (3,), "valid")],
+)
+def test_bad_inputs_name_the_field(shape, bias_shape, k, valid_shape, field):
+    valid = None if valid_shape is None else torch.ones(valid_shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=field):
+        qb_route(torch.zeros(shape), torch.zeros(bias_shape), k, valid=valid)
+
+
+if __name__ == "__main__":
+    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

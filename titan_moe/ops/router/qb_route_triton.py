@@ -1,0 +1,186 @@
+"""Sigmoid top-(k+1) routing and the QB histogram in one Triton pass over the logits.
+
+One program takes BLOCK_T tokens and holds their full rows of E scores in registers:
+    s = σ(logit);  key = (order-preserving int32 of s + b) << 32 | (0xFFFF - e)
+k+1 rounds of a row max over the int64 keys give the top-(k+1) of s + b with ties to the lower
+expert index (equal values compare by the low half, which is larger for a lower index), one
+reduction a round; the chosen key is then knocked out. The k routed scores are re-read (L1-hot)
+and summed left to right, so the weights are bit-equal to `naive.qb_route_naive`; the (k+1)-th
+key decodes to alpha exactly, and each (token, expert) bin of r = alpha - s is counted with a
+relaxed atomic add into [E, n_bins] int32, each routed slot into the [E] load. Nothing [T, E]
+is written. The histogram range and scale come from `qb_range`, computed by PyTorch, so bins
+are the reference's bit for bit.
+
+σ on CUDA is 1 / (1 + exp(-x)) with libdevice's expf and an IEEE division, the expression and
+functions torch.sigmoid's CUDA kernel uses; Triton's interpreter (tests) has no libdevice and
+uses NumPy's exp, whose last bit can differ from torch's CPU exp.
+
+`titan_moe::qb_route` is a `torch.library.triton_op` (torch.compile sees the kernel); its
+backward, the gradient of the weights w.r.t. the logits, is PyTorch over the k routed slots.
+Inductor cannot compile user Triton kernels for CPU tensors: callers branch on the device
+(`titan_moe.ops.router.qb_route`).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+from triton.language.extra import libdevice
+
+from titan_moe.model.quantile_balance import qb_range
+
+MAX_EXPERTS = 1 << 16  # the key's low half holds 0xFFFF - e
+ROW_ELEMENTS = 4096  # BLOCK_T * BLOCK_E per program: the keys stay in registers
+
+
+@triton.jit
+def _sigmoid(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        e = libdevice.exp(-x)
+    else:
+        e = tl.exp(-x)
+    return tl.math.div_rn(1.0, 1.0 + e)
+
+
+@triton.jit
+def _order_key(v):
+    """fp32 -> int32 with the same order (negative floats get their magnitude bits flipped)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(key):
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def qb_route_kernel(
+    logits_ptr, bias_ptr, valid_ptr, range_ptr, ids_ptr, weights_ptr, hist_ptr, load_ptr,
+    n_tokens, stride_t, route_scale,
+    E: tl.constexpr, K: tl.constexpr, N_BINS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    row_ok = rows < n_tokens
+    col_ok = cols < E
+    in_tile = row_ok[:, None] & col_ok[None, :]
+    row_ptr = logits_ptr + rows.to(tl.int64) * stride_t
+    x = tl.load(row_ptr[:, None] + cols[None, :], mask=in_tile, other=0.0).to(tl.float32)
+    s = _sigmoid(x, LIBDEVICE)
+    b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    # s > 0, so s + b is never -0.0 and the int order equals the float order.
+    key = (_order_key(s + b[None, :]).to(tl.int64) << 32) | (0xFFFF - cols[None, :]).to(tl.int64)
+    knocked_out = tl.full([BLOCK_T, BLOCK_E], -(2**62), tl.int64) * 2
+    key = tl.where(in_tile, key, knocked_out)
+
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(key, axis=1)
+        e = 0xFFFF - (best & 0xFFFF)
+        s_e = _sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
+        total += s_e
+        ids = tl.where(slots[None, :] == j, e[:, None], ids)
+        chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
+        key = tl.where(key == best[:, None], knocked_out, key)
+
+    slot_ok = row_ok[:, None] & (slots[None, :] < K)
+    out_offs = rows.to(tl.int64)[:, None] * K + slots[None, :]
+    weights = tl.math.div_rn(chosen, total[:, None]) * route_scale
+    tl.store(ids_ptr + out_offs, ids, mask=slot_ok)
+    tl.store(weights_ptr + out_offs, weights, mask=slot_ok)
+
+    if WITH_HIST:
+        counted = row_ok
+        if HAS_VALID:
+            counted = counted & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
+        # Rows past T hold only knocked-out keys, which decode to NaN: give them a number.
+        alpha = tl.where(row_ok, _key_value(tl.max(key, axis=1)), 0.0)
+        lo = tl.load(range_ptr)
+        scale = tl.load(range_ptr + 1)
+        r = alpha[:, None] - s
+        bins = tl.minimum(tl.maximum(tl.floor((r - lo) * scale), 0.0), N_BINS - 1).to(tl.int32)
+        hist_offs = cols[None, :] * N_BINS + bins
+        tl.atomic_add(hist_ptr + hist_offs, 1, mask=counted[:, None] & col_ok[None, :],
+                      sem="relaxed")
+        tl.atomic_add(load_ptr + ids, 1, mask=slot_ok & counted[:, None], sem="relaxed")
+
+
+def validate_route_inputs(logits: Tensor, bias: Tensor, top_k: int, valid: Tensor | None) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [T, E], got shape {tuple(logits.shape)}")
+    n_tokens, n_experts = logits.shape
+    if not 0 < top_k < n_experts:
+        raise ValueError(f"need 0 < top_k < E, got top_k={top_k}, E={n_experts}")
+    if n_experts > MAX_EXPERTS:
+        raise ValueError(f"the routing kernel supports E <= {MAX_EXPERTS}, got E={n_experts}")
+    if bias.shape != (n_experts,):
+        raise ValueError(f"bias must be [E]=[{n_experts}], got {tuple(bias.shape)}")
+    if valid is not None and valid.shape != (n_tokens,):
+        raise ValueError(f"valid must be [T]=[{n_tokens}], got {tuple(valid.shape)}")
+
+
+@triton_op("titan_moe::qb_route", mutates_args={})
+def qb_route_triton(
+    logits: Tensor,
+    bias: Tensor,
+    valid: Tensor | None,
+    top_k: int,
+    route_scale: float,
+    n_bins: int,
+    with_histogram: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`naive.qb_route_naive` in one kernel: logits [T, E] (fp32/bf16/fp16) -> ids [T, k] int64,
+    weights [T, k] fp32, hist [E, n_bins] int32, load [E] int32 (0 rows without histogram)."""
+    validate_route_inputs(logits, bias, top_k, valid)
+    logits = logits.contiguous()
+    n_tokens, n_experts = logits.shape
+    ids = torch.empty(n_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(n_tokens, top_k, dtype=torch.float32, device=logits.device)
+    n_hist = n_experts if with_histogram else 0
+    hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
+    load = torch.zeros(n_hist, dtype=torch.int32, device=logits.device)
+    lo, hi = qb_range(bias)
+    bin_range = torch.stack([lo, n_bins / (hi - lo)])
+    block_e = triton.next_power_of_2(n_experts)
+    block_t = max(1, min(64, ROW_ELEMENTS // block_e))
+    wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
+        logits, bias.float().contiguous(), valid, bin_range, ids, weights, hist, load,
+        n_tokens, logits.stride(0), route_scale,
+        E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
+        WITH_HIST=with_histogram, LIBDEVICE=logits.is_cuda, num_warps=8 if block_e >= 1024 else 4,
+    )  # fmt: skip
+    return ids, weights, hist, load
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, _, _, _, route_scale, _, _ = inputs
+    ids = output[0]
+    # Only the k routed logits of a row carry gradient; keeping them, not [T, E], is enough.
+    ctx.save_for_backward(ids, logits.gather(-1, ids))
+    ctx.route_scale = route_scale
+    ctx.logits_shape = logits.shape
+    ctx.logits_dtype = logits.dtype
+
+
+def _backward(ctx, grad_ids, grad_weights, grad_hist, grad_load):
+    """p_j = ρ s_j / S over the routed slots: dL/ds_i = ρ / S · (g_i - Σ_j g_j s_j / S)."""
+    ids, chosen_logits = ctx.saved_tensors
+    s = torch.sigmoid(chosen_logits.float())
+    total = s.sum(-1, keepdim=True)
+    g = grad_weights.float()
+    grad_s = ctx.route_scale / total * (g - (g * s).sum(-1, keepdim=True) / total)
+    grad_chosen = grad_s * s * (1.0 - s)
+    grad_logits = grad_chosen.new_zeros(ctx.logits_shape).scatter_(-1, ids, grad_chosen)
+    return grad_logits.to(ctx.logits_dtype), None, None, None, None, None, None
+
+
+qb_route_triton.register_autograd(_backward, setup_context=_setup_context)
