@@ -131,7 +131,7 @@ class KimiDeltaAttention(nn.Module):
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
         mask = valid.unsqueeze(-1)
-        # Invalid tokens must be exact no-ops: zero conv inputs, k = 0, beta = 0, g = 0.
+        # Invalid tokens must be exact no-ops: zero conv inputs, beta = 0 (no write), g = 0.
         qkv = torch.where(mask, torch.cat([self.w_q(x), self.w_k(x), self.w_v(x)], -1), 0.0)
         taps = state.conv.shape[1]
         window = torch.cat([state.conv.to(qkv.dtype), qkv], 1)
@@ -142,7 +142,6 @@ class KimiDeltaAttention(nn.Module):
         wide = torch.promote_types(x.dtype, torch.float32)
         q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
         k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
-        k = torch.where(mask.unsqueeze(-1), k, 0.0)
         beta = torch.where(mask, torch.sigmoid(self.w_beta(x).to(wide)), 0.0)
         g = kda_gate(self.w_f_up(self.w_f_down(x)).view(shape), self.A_log, self.dt_bias,
                      self.g_min)
