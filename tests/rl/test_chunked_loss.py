@@ -6,7 +6,7 @@ import torch
 
 from titan_moe.model.args import apply_overrides, get_flavor
 from titan_moe.model.model import TitanMoE
-from titan_moe.rl.loss import grpo_loss, group_advantages, token_logprobs
+from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs
 
 TINY = {
     "vocab_size": 32, "dim": 64, "n_layers": 4, "mla_layers": [2, 4], "dense_hidden": 64,
