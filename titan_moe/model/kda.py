@@ -7,16 +7,19 @@
     y = W_o concat_h[σ(W_g x)_h ⊙ RMSNorm_{d_v}(o_h)]
 
 The convolution and the recurrence both restart at every document start given by `doc_ids`.
+Decoding (`state`, a KDAState) carries the recurrent state S and the last conv_size - 1 conv
+inputs across calls: constant memory in the context length.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_moe.model.args import TitanMoEArgs
-from titan_moe.ops.kda import chunk_kda_fused_gate
+from titan_moe.ops.kda import chunk_kda, chunk_kda_fused_gate, kda_gate
 
 
 def causal_depthwise_conv(
@@ -38,6 +41,37 @@ def causal_depthwise_conv(
             tap = tap * (doc_padded[:, j : j + t] == doc_ids).unsqueeze(-1).to(x.dtype)
         out = out + tap
     return out
+
+
+@dataclass
+class KDAState:
+    """One KDA layer's decode state per row: S [B,H,K,V] fp32, conv taps [B, conv-1, 3·H·K]."""
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+
+def recurrent_kda_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]; state [B,H,K,V].
+
+    Returns (o [B,H,V], new state), both in the state's dtype.
+    """
+    q, k, v, g, beta = (z.to(state.dtype) for z in (q, k, v, g, beta))
+    decayed = state * g.exp().unsqueeze(-1)
+    delta = beta.unsqueeze(-1) * (v - torch.einsum("bhkv,bhk->bhv", decayed, k))
+    state = decayed + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return torch.einsum("bhkv,bhk->bhv", state, q * scale), state
+
+
+def last_valid(window: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """The last n rows of window [B, n + T, C] whose mask is set; the first n always count."""
+    keep = torch.cat([valid.new_ones(valid.shape[0], n), valid], 1).to(torch.int8)
+    order = torch.sort(keep, dim=1, stable=True).indices
+    order = order[:, order.shape[1] - n :]
+    return window.gather(1, order.unsqueeze(-1).expand(-1, -1, window.shape[-1]))
 
 
 class KimiDeltaAttention(nn.Module):
@@ -67,7 +101,18 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.w_o = nn.Linear(inner, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        cache: KDAState | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B,T,d]. With `cache` (decoding) each row is one document continued from the state,
+        `valid` [B,T] bool marks its real tokens (they come first in the call), and the state is
+        advanced past them."""
+        if cache is not None:
+            return self._forward_with_state(x, cache, valid)
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
         q = F.silu(self.sequence_conv(self.w_q(x), self.conv_q, doc_ids)).view(shape)
@@ -82,6 +127,50 @@ class KimiDeltaAttention(nn.Module):
                                         doc_ids=doc_ids)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
         return self.w_o(o.reshape(b, t, -1))
+
+    def _forward_with_state(
+        self, x: torch.Tensor, state: KDAState, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        shape = (b, t, self.n_heads, self.head_dim)
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        mask = valid.unsqueeze(-1)
+        # Invalid tokens must be exact no-ops: zero conv inputs, beta = 0 (no write), g = 0.
+        qkv = torch.where(mask, torch.cat([self.w_q(x), self.w_k(x), self.w_v(x)], -1), 0.0)
+        taps = state.conv.shape[1]
+        window = torch.cat([state.conv.to(qkv.dtype), qkv], 1)
+        weight = torch.cat([self.conv_q, self.conv_k, self.conv_v])
+        mixed = F.silu(causal_depthwise_conv(window, weight)[:, taps:])
+        state.conv = last_valid(window, valid, taps)
+        q, k, v = (z.reshape(shape) for z in mixed.chunk(3, -1))
+        wide = torch.promote_types(x.dtype, torch.float32)
+        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
+        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
+        beta = torch.where(mask, torch.sigmoid(self.w_beta(x).to(wide)), 0.0)
+        g = kda_gate(self.w_f_up(self.w_f_down(x)).view(shape), self.A_log, self.dt_bias,
+                     self.g_min)
+        g = torch.where(mask.unsqueeze(-1), g, 0.0)
+        if t == 1:
+            o, state.recurrent = recurrent_kda_step(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent,
+                self.head_dim**-0.5)
+            o = o.unsqueeze(1)
+        else:
+            o, state.recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent,
+                                           output_final_state=True)
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
+        return self.w_o(o.reshape(b, t, -1))
+
+    def new_cache(self, batch: int) -> KDAState:
+        """An empty decode state (nothing seen yet) on the layer's device and dtype."""
+        weight = self.w_q.weight
+        inner = self.n_heads * self.head_dim
+        recurrent = torch.zeros(batch, self.n_heads, self.head_dim, self.head_dim,
+                                device=weight.device,
+                                dtype=torch.promote_types(weight.dtype, torch.float32))
+        conv = weight.new_zeros(batch, self.conv_q.shape[-1] - 1, 3 * inner)
+        return KDAState(recurrent, conv)
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for lin in (self.w_q, self.w_k, self.w_v, self.w_f_down, self.w_f_up, self.w_beta,

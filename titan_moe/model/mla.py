@@ -8,9 +8,14 @@
 
 NoPE: the rope part is kept and scored but never rotated, so no position enters attention.
 Packed documents are masked from each other through `doc_ids`.
+
+Decoding (`cache`, an MLACache) keeps only [RMSNorm(c_kv) | k_rope] per token and attends in the
+absorbed form: with W_kvb = [W_uk; W_uv] per head, q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and
+Σ p W_uv c = W_uv Σ p c, so one latent "head" serves as key and value for every query head.
 """
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -99,6 +104,14 @@ def _varlen_causal_flag() -> dict[str, bool]:
 
 
 _VARLEN_CAUSAL = _varlen_causal_flag()
+@dataclass
+class MLACache:
+    """One MLA layer's decode cache: latent [B,S,kv_lora] (normed c_kv), rope [B,S,rope] and
+    valid [B,S] bool (False for padding slots, which no query attends)."""
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+    valid: torch.Tensor
 
 
 class GatedMLA(nn.Module):
@@ -120,7 +133,17 @@ class GatedMLA(nn.Module):
         self.w_g = nn.Linear(args.dim, self.n_heads * self.v_dim, bias=False)
         self.w_o = nn.Linear(self.n_heads * self.v_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        cache: MLACache | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B,T,d]. With `cache` (decoding) each row is one document continued from the cache,
+        `valid` [B,T] bool marks its real tokens, and the call's tokens are appended to it."""
+        if cache is not None:
+            return self._forward_absorbed(x, cache, valid)
         b, t, _ = x.shape
         h = self.n_heads
         q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
@@ -142,6 +165,45 @@ class GatedMLA(nn.Module):
         """
         c_kv, k_rope = latent.split([self.kv_lora, self.rope], dim=-1)
         return c_kv, k_rope, doc_ids
+
+    def _forward_absorbed(
+        self, x: torch.Tensor, cache: MLACache, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.n_heads
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.w_kva(x).split([self.kv_lora, self.rope], dim=-1)
+        keep = valid.unsqueeze(-1)
+        cache.latent = torch.cat([cache.latent, torch.where(keep, self.kv_norm(c_kv), 0.0)], 1)
+        cache.rope = torch.cat([cache.rope, torch.where(keep, k_rope, 0.0)], 1)
+        cache.valid = torch.cat([cache.valid, valid], 1)
+        s = cache.latent.shape[1]
+
+        w_uk, w_uv = self.w_kvb.weight.view(h, self.nope + self.v_dim, self.kv_lora).split(
+            [self.nope, self.v_dim], dim=1)
+        query = torch.cat([torch.einsum("bthn,hnc->bhtc", q_nope, w_uk), q_rope.transpose(1, 2)],
+                          dim=-1)
+        key = torch.cat([cache.latent, cache.rope], -1).unsqueeze(1).expand(b, h, s, -1)
+        value = cache.latent.unsqueeze(1).expand(b, h, s, self.kv_lora)
+        slot = torch.arange(s, device=x.device)
+        query_slot = slot[s - t :, None]
+        # A padding query also sees its own slot, so no row of the mask is empty (no NaN).
+        mask = (cache.valid[:, None, :] & (slot <= query_slot)) | (slot == query_slot)
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.unsqueeze(1),
+                                           scale=self.scale)
+        o = torch.einsum("bhtc,hvc->bthv", o, w_uv).reshape(b, t, h * self.v_dim)
+        return self.w_o(torch.sigmoid(self.w_g(x)) * o)
+
+    def new_cache(self, batch: int) -> MLACache:
+        """An empty decode cache (no tokens yet) on the layer's device and dtype."""
+        weight = self.w_kva.weight
+        return MLACache(
+            weight.new_zeros(batch, 0, self.kv_lora), weight.new_zeros(batch, 0, self.rope),
+            torch.zeros(batch, 0, dtype=torch.bool, device=weight.device),
+        )
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for lin in (self.w_qa, self.w_qb, self.w_kva, self.w_kvb, self.w_g):

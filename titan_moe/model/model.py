@@ -11,17 +11,20 @@ AttnRes in place of every residual connection.
     logits = lm_head(RMSNorm(AttnRes_final(blocks + [partial])))
 
 There is no `x + f(x)`: the residual state is the pair (block stack, partial sum).
+Decoding passes `cache` (one KDAState / MLACache per layer, from `new_cache`): the mixers carry
+their state across calls, everything else is per token.
 """
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.attn_res import AttnResSite
-from titan_moe.model.kda import KimiDeltaAttention
-from titan_moe.model.mla import GatedMLA
+from titan_moe.model.kda import KDAState, KimiDeltaAttention
+from titan_moe.model.mla import GatedMLA, MLACache
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.situ_glu import SiTUGLU
 from titan_moe.model.vision import VisionTower, merged_valid, scatter_image_embeddings
@@ -52,10 +55,18 @@ class DecoderLayer(nn.Module):
         self.out_init_std = args.init_std / math.sqrt(2 * (layer_id + 1))
 
     def forward(
-        self, blocks: list[torch.Tensor], partial: torch.Tensor, doc_ids: torch.Tensor | None
+        self,
+        blocks: list[torch.Tensor],
+        partial: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        cache: KDAState | MLACache | None = None,
+        valid: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         x = self.mixer_site(blocks + [partial]) if self.mixer_site is not None else partial
-        a = self.mixer(self.mixer_norm(x), doc_ids)
+        if cache is None:
+            a = self.mixer(self.mixer_norm(x), doc_ids)
+        else:
+            a = self.mixer(self.mixer_norm(x), cache=cache, valid=valid)
         if self.starts_block:
             blocks = blocks + [partial]
             partial = a
@@ -95,9 +106,17 @@ class TitanMoE(nn.Module):
         patches: torch.Tensor | None = None,
         patch_pos: torch.Tensor | None = None,
         patch_image: torch.Tensor | None = None,
+        cache: Sequence[KDAState | MLACache] | None = None,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: [B, T] int; doc_ids: [B, T] document index per token (packed data) or None;
-        patches, patch_pos, patch_image: a window's image patch slots (model/vision.py)."""
+        patches, patch_pos, patch_image: a window's image patch slots (model/vision.py).
+
+        Decoding: `cache` from `new_cache` is advanced past this call's tokens; `valid` [B, T]
+        bool marks real tokens, which come first in each row (right padding).
+        """
+        if cache is not None and doc_ids is not None:
+            raise ValueError("doc_ids and cache exclude each other: a cached row is one document")
         blocks: list[torch.Tensor] = []
         partial = self.tok_embeddings(tokens)
         if patches is not None:
@@ -107,10 +126,15 @@ class TitanMoE(nn.Module):
             partial = scatter_image_embeddings(
                 partial, tokens, self.args.image_token_id, merged,
                 merged_valid(patch_image, self.vision.group))
-        for layer in self.layers.values():
-            blocks, partial = layer(blocks, partial, doc_ids)
+        for i, layer in enumerate(self.layers.values()):
+            state = None if cache is None else cache[i]
+            blocks, partial = layer(blocks, partial, doc_ids, state, valid)
         h = self.final_site(blocks + [partial])
         return self.output(self.norm(h))
+
+    def new_cache(self, batch: int) -> list[KDAState | MLACache]:
+        """Empty per-layer decode states for `batch` rows (KDA: constant size; MLA: grows)."""
+        return [layer.mixer.new_cache(batch) for layer in self.layers.values()]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         nn.init.normal_(self.tok_embeddings.weight)

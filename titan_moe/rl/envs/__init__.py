@@ -1,0 +1,1 @@
+"""Offline environments: arithmetic / unit-conversion tools, Python execution, a toy target."""
