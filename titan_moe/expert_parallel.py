@@ -2,8 +2,8 @@
 
 Each of the `ep` ranks of the expert-parallel group holds E/ep experts (the weights become
 DTensors sharded on the expert dim over the ep mesh). The experts module keeps its contract,
-`forward(z_sorted [M, ℓ], offs [E] int32 cumulative group ends) -> [M, out]`; under EP that
-forward becomes
+`forward(z_sorted [M, ℓ], offs [E] int32 cumulative group ends) -> [M, out]` (rows from
+offs[-1] on are padding, returned as zeros); under EP that forward becomes
 
     counts[e] = offs[e] - offs[e-1]              rows per global expert, this rank's tokens
     all-to-all counts                            each rank learns what it will receive
@@ -86,7 +86,9 @@ class ExpertParallelGroupedExperts(GroupedExperts):
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         in_splits = send_counts.sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
-        z_recv = all_to_all(z, out_splits, in_splits, self.ep_group)
+        # Rows at or past offs[-1] are the dispatch buffer's unused tail: they stay home.
+        used = sum(in_splits)
+        z_recv = all_to_all(z[:used], out_splits, in_splits, self.ep_group)
 
         # Received rows are ordered (source rank, local expert); the experts want (expert, source).
         segment = torch.arange(ep * local_experts, device=z.device).view(ep, local_experts)
@@ -97,7 +99,8 @@ class ExpertParallelGroupedExperts(GroupedExperts):
         with _local_parameters(self):
             out_sorted = super().forward(z_recv.index_select(0, order), local_offs)
         out_recv = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-        return all_to_all(out_recv, in_splits, out_splits, self.ep_group)
+        out = all_to_all(out_recv, in_splits, out_splits, self.ep_group)
+        return torch.cat([out, out.new_zeros(z.shape[0] - used, *out.shape[1:])])
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[GroupedExperts]:
