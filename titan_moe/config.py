@@ -111,9 +111,11 @@ class Float8:
 
 
 def _check_scale(job_config: Any, device_type: str) -> None:
-    from float8 import check_float8_hardware
+    if job_config.float8.enable or job_config.float8.moe:
+        # Imported only when asked for: torchao's import prints warnings into the one-line errors.
+        from float8 import check_float8_hardware
 
-    check_float8_hardware(job_config.float8, device_type)
+        check_float8_hardware(job_config.float8, device_type)
     parallelism = job_config.parallelism
     if parallelism.sharding == "simple_fsdp" and parallelism.expert_parallel_degree > 1:
         raise ConfigError(
