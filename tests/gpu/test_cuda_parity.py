@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.gpu.bf16_tolerance import BF16_RTOL
+from tests.gpu.bf16_tolerance import max_relative_error as _rel
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
@@ -12,12 +14,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BF16_RTOL = 3e-2  # relative to each tensor's largest magnitude
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def test_debug_model_bf16_compiled_matches_eager_on_cuda():

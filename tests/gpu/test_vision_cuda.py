@@ -6,6 +6,8 @@ import dataclasses
 import pytest
 import torch
 
+from tests.gpu.bf16_tolerance import BF16_RTOL
+from tests.gpu.bf16_tolerance import max_relative_error as _rel
 from titan_moe.model.args import VISION_FLAVORS, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.vision import VisionTower
@@ -15,12 +17,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BF16_RTOL = 3e-2  # relative to each tensor's largest magnitude
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _slots(n_slots: int, images: list[int], grid: int = 32):
