@@ -126,17 +126,19 @@ def parameter_counts(args: TitanMoEArgs) -> ParamCounts:
 def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages autograd saves while `run()` executes, minus `exclude`'s."""
     skip = {t.untyped_storage()._cdata for t in exclude}
-    seen: dict[int, int] = {}
+    # Holding each storage keeps its address from being reused by a later one within the run
+    # (a branch whose graph is dropped frees its saved tensors), which would count two as one.
+    seen: dict[int, torch.UntypedStorage] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage._cdata not in skip:
-            seen[storage._cdata] = storage.nbytes()
+            seen[storage._cdata] = storage
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
-    return sum(seen.values())
+    return sum(s.nbytes() for s in seen.values())
 
 
 class _SavesForBackward(torch.autograd.Function):
@@ -205,10 +207,11 @@ def activation_bytes(cfg: PlanConfig) -> float:
     """Saved for backward at its start, the loss's buffers, and one layer's recompute."""
     args, b, t = cfg.args, cfg.local_batch, cfg.seq_len
     stream = b * t * args.dim * ACT_BYTES
-    per_kind: dict[tuple[bool, bool], int] = {}
+    # A layer's saved bytes depend on its kind and on how many AttnRes sources it reads.
+    per_kind: dict[tuple[bool, bool, int], int] = {}
     saved, recompute = 0.0, 0
     for i in range(args.n_layers):
-        kind = (args.is_mla(i), args.is_moe(i))
+        kind = (args.is_mla(i), args.is_moe(i), i // args.attn_res_block_size)
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
         if _checkpointed(cfg, i):

@@ -39,12 +39,13 @@ class SandboxResult:
 
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> SandboxResult:
-    """Run `code` as a script; wall limit timeout_s (CPU limit the same, rounded up)."""
+    """Run `code` as a script; wall limit timeout_s, CPU limit the same rounded up (a timeout)."""
     cpu_s = max(1, int(timeout_s + 0.999))
     memory = memory_mb * 1024 * 1024
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        # The soft limit sends SIGXCPU (which ends the child); the hard limit is the backstop.
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -57,7 +58,9 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> Sandb
         )  # fmt: skip
         try:
             out, err = proc.communicate(timeout=timeout_s)
-            timed_out = False
+            # An idle machine runs a busy loop at one CPU second per second, so the CPU limit can
+            # fire before the wall limit: both are the same hang.
+            timed_out = proc.returncode == -signal.SIGXCPU
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
