@@ -172,7 +172,9 @@ def _grouped_gemm(x, w, offs, zero_padding_rows=True):
 @contextlib.contextmanager
 def _cuda_kernel_stand_ins() -> Iterator[None]:
     sdpa = mock.patch.object(mla_module.F, "scaled_dot_product_attention", _flash_attention)
-    kda = mock.patch.object(kda_module, "chunk_kda_fused_gate", _kda_triton_op)
+    # The layer binds its recurrence at class level, so the stand-in replaces it there.
+    kda = mock.patch.object(kda_module.KimiDeltaAttention, "sequence_recurrence",
+                            staticmethod(_kda_triton_op))
     gmm = mock.patch.object(moe_module, "grouped_mm", _grouped_gemm)
     # torch.autocast has no meta device; the model only uses it to switch AMP off.
     amp = mock.patch.object(torch, "autocast", lambda *a, **k: contextlib.nullcontext())

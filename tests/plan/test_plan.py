@@ -117,3 +117,15 @@ def test_fewest_gpus_is_the_first_count_that_fits(tiny):
 def test_cli_errors_on_a_missing_config(capsys):
     assert main(["--config", "missing.toml"]) == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+def test_kda_layers_are_counted_as_the_triton_op_not_the_pytorch_path(tiny, monkeypatch):
+    # The plan is for CUDA, where the Triton op saves only its inputs; the PyTorch chunk path
+    # saves per-chunk states and would inflate the plan several-fold.
+    import titan_moe.ops.kda as kda_ops
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the memory plan ran the PyTorch KDA path")
+
+    monkeypatch.setattr(kda_ops, "chunk_kda_torch", forbidden)
+    assert layer_activation_bytes(tiny.args, 0, 2, 64) > 0
