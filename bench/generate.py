@@ -26,7 +26,7 @@ TINY = {"vocab_size": 256, "dim": 64, "n_layers": 4, "mla_layers": [2, 4], "dens
 
 def cache_bytes(cache: list) -> tuple[int, int]:
     kda = sum(c.recurrent.nbytes + c.conv.nbytes for c in cache if hasattr(c, "recurrent"))
-    mla = sum(c.latent.nbytes + c.rope.nbytes for c in cache if hasattr(c, "latent"))
+    mla = sum(c.kv.nbytes for c in cache if hasattr(c, "kv"))
     return kda, mla
 
 

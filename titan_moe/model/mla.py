@@ -106,12 +106,41 @@ def _varlen_causal_flag() -> dict[str, bool]:
 _VARLEN_CAUSAL = _varlen_causal_flag()
 @dataclass
 class MLACache:
-    """One MLA layer's decode cache: latent [B,S,kv_lora] (normed c_kv), rope [B,S,rope] and
-    valid [B,S] bool (False for padding slots, which no query attends)."""
+    """One MLA layer's decode cache: per slot the key [RMSNorm(c_kv) | k_rope] (its first kv_lora
+    channels are also the value) and valid (False for padding slots, which no query attends).
 
-    latent: torch.Tensor
-    rope: torch.Tensor
+    kv [B, capacity, kv_lora + rope] and valid [B, capacity] hold `length` filled slots. Without
+    autograd, slots are written in place and the capacity doubles when full, so a decode step
+    copies O(1) slots, not the whole cache; with autograd (RL trains through chunked rollouts)
+    the cache grows by concatenation and stays exactly `length` long, keeping the graph intact.
+    """
+
+    kv: torch.Tensor
     valid: torch.Tensor
+    length: int
+
+    def append(self, kv: torch.Tensor, valid: torch.Tensor) -> None:
+        end = self.length + kv.shape[1]
+        if torch.is_grad_enabled():
+            self.kv = torch.cat([self.kv[:, : self.length], kv], 1)
+            self.valid = torch.cat([self.valid[:, : self.length], valid], 1)
+        else:
+            if end > self.kv.shape[1]:
+                self.kv = _grown(self.kv, max(end, 2 * self.kv.shape[1]))
+                self.valid = _grown(self.valid, self.kv.shape[1])
+            self.kv[:, self.length : end] = kv
+            self.valid[:, self.length : end] = valid
+        self.length = end
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, valid) of the filled slots (views)."""
+        return self.kv[:, : self.length], self.valid[:, : self.length]
+
+
+def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    out = buffer.new_zeros(buffer.shape[0], capacity, *buffer.shape[2:])
+    out[:, : buffer.shape[1]] = buffer
+    return out
 
 
 class GatedMLA(nn.Module):
@@ -176,33 +205,32 @@ class GatedMLA(nn.Module):
         q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.w_kva(x).split([self.kv_lora, self.rope], dim=-1)
-        keep = valid.unsqueeze(-1)
-        cache.latent = torch.cat([cache.latent, torch.where(keep, self.kv_norm(c_kv), 0.0)], 1)
-        cache.rope = torch.cat([cache.rope, torch.where(keep, k_rope, 0.0)], 1)
-        cache.valid = torch.cat([cache.valid, valid], 1)
-        s = cache.latent.shape[1]
+        new_kv = torch.cat([self.kv_norm(c_kv), k_rope], -1)
+        cache.append(torch.where(valid.unsqueeze(-1), new_kv, 0.0), valid)
+        kv_slots, valid_slots = cache.filled()
+        s = cache.length
 
         w_uk, w_uv = self.w_kvb.weight.view(h, self.nope + self.v_dim, self.kv_lora).split(
             [self.nope, self.v_dim], dim=1)
         query = torch.cat([torch.einsum("bthn,hnc->bhtc", q_nope, w_uk), q_rope.transpose(1, 2)],
                           dim=-1)
-        key = torch.cat([cache.latent, cache.rope], -1).unsqueeze(1).expand(b, h, s, -1)
-        value = cache.latent.unsqueeze(1).expand(b, h, s, self.kv_lora)
+        key = kv_slots.unsqueeze(1).expand(b, h, s, -1)
+        value = kv_slots[..., : self.kv_lora].unsqueeze(1).expand(b, h, s, self.kv_lora)
         slot = torch.arange(s, device=x.device)
         query_slot = slot[s - t :, None]
         # A padding query also sees its own slot, so no row of the mask is empty (no NaN).
-        mask = (cache.valid[:, None, :] & (slot <= query_slot)) | (slot == query_slot)
+        mask = (valid_slots[:, None, :] & (slot <= query_slot)) | (slot == query_slot)
         o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.unsqueeze(1),
                                            scale=self.scale)
         o = torch.einsum("bhtc,hvc->bthv", o, w_uv).reshape(b, t, h * self.v_dim)
         return self.w_o(torch.sigmoid(self.w_g(x)) * o)
 
-    def new_cache(self, batch: int) -> MLACache:
-        """An empty decode cache (no tokens yet) on the layer's device and dtype."""
+    def new_cache(self, batch: int, capacity: int = 0) -> MLACache:
+        """An empty decode cache (no tokens yet, room for `capacity`) on the layer's device."""
         weight = self.w_kva.weight
         return MLACache(
-            weight.new_zeros(batch, 0, self.kv_lora), weight.new_zeros(batch, 0, self.rope),
-            torch.zeros(batch, 0, dtype=torch.bool, device=weight.device),
+            weight.new_zeros(batch, capacity, self.kv_lora + self.rope),
+            torch.zeros(batch, capacity, dtype=torch.bool, device=weight.device), 0,
         )
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:

@@ -37,7 +37,7 @@ def _token_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 def _flatten(cache: list) -> list[torch.Tensor]:
     flat = []
     for c in cache:
-        flat += [c.recurrent, c.conv] if isinstance(c, KDAState) else [c.latent, c.rope, c.valid]
+        flat += [c.recurrent, c.conv] if isinstance(c, KDAState) else list(c.filled())
     return flat
 
 
@@ -48,8 +48,8 @@ def _rebuild(like: list, flat: list[torch.Tensor]) -> list:
             out.append(KDAState(flat[i], flat[i + 1]))
             i += 2
         else:
-            out.append(MLACache(flat[i], flat[i + 1], flat[i + 2]))
-            i += 3
+            out.append(MLACache(flat[i], flat[i + 1], flat[i].shape[1]))
+            i += 2
     return out
 
 
