@@ -37,7 +37,13 @@ def _free_port() -> int:
 def runs(tmp_path_factory) -> tuple[dict, dict]:
     out = tmp_path_factory.mktemp("cp") / "results.pt"
     mp.spawn(spawn_entry, args=(2, _free_port(), [CP], str(out)), nprocs=2, join=True)
-    return torch.load(out)[CP.name], train(Layout(1, seq_len=SEQ_LEN))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks: spinning OpenMP threads slow tiny matmuls
+    try:
+        reference = train(Layout(1, seq_len=SEQ_LEN))
+    finally:
+        torch.set_num_threads(threads)
+    return torch.load(out)[CP.name], reference
 
 
 def test_cp2_losses_match_one_process(runs):

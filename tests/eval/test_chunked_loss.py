@@ -3,6 +3,7 @@ the op alone (float64), the trainer's path through a whole model (`hidden_from_h
 `ChunkedCrossEntropy`, float32) and under CPU bf16 autocast (what the trainer uses on one
 device with mixed_precision_param = bfloat16)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +17,15 @@ from titan_moe.chunked_loss import (
 TOL = 1e-10  # float64
 MODEL_RTOL = 1e-5  # float32, relative to each tensor's largest magnitude: summation order only
 BF16_RTOL = 2e-2  # bf16 matmuls, the two paths round the logits and gradients differently
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Spinning OpenMP threads slow these tiny matmuls tenfold on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_chunked_loss_and_gradients_match_full_logits():
