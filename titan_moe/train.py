@@ -15,6 +15,8 @@ and of the QB biases. `[profiling] enable_profiling = true` writes Chrome/Perfet
 cp group trains on its contiguous slab of the group's rows (context_parallel.shard_batch); the
 losses are slab sums over the global token count, summed over dp x cp for the log, the
 gradients summed by FSDP over its fsdp dim (dp_shard x cp) and the QB histograms over dp x cp.
+torchtitan's `global_max_loss` divides a rank's loss by the token count of its whole rows, so
+under CP it reads about 1/cp of the largest slab mean; `global_avg_loss` is exact.
 """
 
 import math
