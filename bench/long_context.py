@@ -5,28 +5,31 @@
 
 What makes 1M tokens fit: full activation checkpointing of every decoder layer (torchtitan's
 apply_ac), KDA by chunks with a constant state (the Triton op), MLA through Flash Attention's
-varlen kernel with document masking (no [T, T] mask), and the loss by chunks of positions
-(`chunked_linear_cross_entropy`: the [T, vocab] logits never exist at once). Parameters are
+varlen kernel with document masking (no [T, T] mask), and the trainer's chunked loss
+(`training.loss_chunk`: the model runs under `hidden_from_head` and `ChunkedCrossEntropy` applies
+the head by chunks of --loss-chunk positions, so the [T, vocab] logits never exist). Parameters are
 bf16 (FSDP's param_dtype in training; no fp32 master copy or optimizer state is held here).
 Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and
-torch.cuda.max_memory_allocated; an out-of-memory length is recorded as such, not raised.
+torch.cuda.max_memory_allocated (also per 1K tokens); a length that runs out of memory is a row
+with status "oom" (its peak is the allocator's at the failure) and the next length still runs.
 """
 
 import argparse
+import gc
 import json
 import time
 
 import torch
-import torch.nn as nn
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
-from titan_moe.chunked_loss import chunked_linear_cross_entropy
+from titan_moe.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 
 LENGTHS = "8192,65536,262144,1048576"
+TINY_LENGTHS = "128,256"
 
 
 def build(flavor: str, n_layers: int | None, device: str, dtype: torch.dtype) -> TitanMoE:
@@ -46,75 +49,106 @@ def build(flavor: str, n_layers: int | None, device: str, dtype: torch.dtype) ->
     return model
 
 
-def step(model: TitanMoE, head: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
-         doc_ids: torch.Tensor) -> float:
-    loss = chunked_linear_cross_entropy(model(tokens, doc_ids), head, labels)
+def step(model: TitanMoE, loss_fn: ChunkedCrossEntropy, tokens: torch.Tensor,
+         labels: torch.Tensor, doc_ids: torch.Tensor) -> float:
+    with hidden_from_head(model.output):
+        loss = loss_fn(model(tokens, doc_ids), labels)
     loss.backward()
-    for p in model.parameters():
-        p.grad = None
-    head.grad = None
-    return loss.item() / tokens.numel()
+    value = loss.item() / tokens.numel()
+    model.zero_grad(set_to_none=True)
+    return value
 
 
-def measure(model: TitanMoE, head: torch.Tensor, length: int, doc_len: int, device: str,
-            warmup: int, iters: int) -> dict:
-    vocab = head.shape[0]
-    tokens = torch.randint(0, vocab, (1, length + 1), device=device)
-    doc_ids = (torch.arange(length, device=device) // doc_len).to(torch.int32)[None]
+def _is_oom(error: BaseException) -> bool:
+    # Kernels that allocate outside the caching allocator raise a plain RuntimeError.
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
+
+
+def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len: int,
+            device: str, warmup: int, iters: int) -> dict:
+    vocab = model.output.weight.shape[0]
     row = {"seq_len": length, "doc_len": min(doc_len, length)}
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    failed = False
     try:
+        tokens = torch.randint(0, vocab, (1, length + 1), device=device)
+        doc_ids = (torch.arange(length, device=device) // doc_len).to(torch.int32)[None]
         for _ in range(warmup):
-            step(model, head, tokens[:, :-1], tokens[:, 1:], doc_ids)
+            step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids)
         times = []
         for _ in range(iters):
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            row["loss_per_token"] = step(model, head, tokens[:, :-1], tokens[:, 1:], doc_ids)
+            row["loss_per_token"] = step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids)
+            if device == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not _is_oom(error):
+            raise
+        failed = True  # handled below, once the traceback no longer pins the step's tensors
+    if failed:
         row["status"] = "oom"
+        tokens = doc_ids = None  # drop this length's inputs before the next one
+        model.zero_grad(set_to_none=True)
+        gc.collect()
     else:
         seconds = sorted(times)[len(times) // 2]
         row.update(status="ok", step_s=seconds, us_per_token=1e6 * seconds / length)
     if device == "cuda":
-        row["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        row.update(max_memory_allocated_gib=peak, gib_per_1k_tokens=1024 * peak / length)
+        torch.cuda.empty_cache()
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true",
-                        help="CPU smoke run: debug flavor, 2 layers, lengths 128,256")
+                        help="CPU smoke run: debug flavor, 2 layers")
     parser.add_argument("--flavor", default="proxy")
     parser.add_argument("--n-layers", type=int, default=None)
-    parser.add_argument("--lengths", default=LENGTHS, help="comma-separated sequence lengths")
+    parser.add_argument("--lengths", default=None,
+                        help=f"comma-separated sequence lengths (default {LENGTHS}; --tiny: "
+                             f"{TINY_LENGTHS})")
     parser.add_argument("--doc-len", type=int, default=65536, help="tokens per document")
+    parser.add_argument("--loss-chunk", type=int, default=CHUNK,
+                        help="positions per chunk of the loss (training.loss_chunk)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.tiny:
-        args.flavor, args.n_layers, args.lengths = "debug", 2, "128,256"
-        args.warmup, args.doc_len = 0, 96
+        args.flavor, args.n_layers = "debug", 2
+        args.warmup, args.doc_len, args.loss_chunk = 0, 96, 64
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    try:
+        lengths = [int(n) for n in (args.lengths or (TINY_LENGTHS if args.tiny else LENGTHS))
+                   .split(",")]
+    except ValueError:
+        parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    if args.loss_chunk < 1 or any(n < 1 for n in lengths):
+        parser.error("--lengths and --loss-chunk must be positive integers")
     model = build(args.flavor, args.n_layers, device, dtype)
-    head = model.output.weight
-    model.output = nn.Identity()  # the head runs inside the chunked loss
-    rows = [measure(model, head, int(n), args.doc_len, device, args.warmup, args.iters)
-            for n in args.lengths.split(",")]
-    print(f"{'seq_len':>9} {'status':>6} {'step s':>9} {'us/token':>9} {'max GiB':>8}")
-    for r in rows:
+    loss_fn = ChunkedCrossEntropy(model.output, args.loss_chunk)
+    print(f"{'seq_len':>9} {'status':>6} {'step s':>9} {'us/token':>9} {'max GiB':>8} "
+          f"{'GiB/1K tok':>10}")
+    rows = []
+    for length in lengths:
+        r = measure(model, loss_fn, length, args.doc_len, device, args.warmup, args.iters)
+        rows.append(r)
         print(f"{r['seq_len']:>9} {r['status']:>6} {r.get('step_s', float('nan')):>9.3f} "
               f"{r.get('us_per_token', float('nan')):>9.2f} "
-              f"{r.get('max_memory_allocated_gib', float('nan')):>8.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"flavor": args.flavor, "device": device, "rows": rows}, f, indent=2)
+              f"{r.get('max_memory_allocated_gib', float('nan')):>8.2f} "
+              f"{r.get('gib_per_1k_tokens', float('nan')):>10.4f}", flush=True)
+        if args.out:  # after every length, so a crash keeps the rows measured so far
+            with open(args.out, "w") as f:
+                json.dump({"flavor": args.flavor, "device": device,
+                           "loss_chunk": args.loss_chunk, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

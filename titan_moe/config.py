@@ -72,6 +72,9 @@ class Training(tt_config.Training):
     image-text documents (data/images.py); empty: text only."""
     image_docs_per_text_doc: int = 1
     """Image documents interleaved after each text document of the corpus."""
+    loss_chunk: int = 0
+    """Positions per chunk of the chunked LM-head cross-entropy (titan_moe/chunked_loss.py), so
+    the [T, vocab] logits never exist whole; 0: the full-logits loss."""
 
 
 @dataclass
@@ -108,6 +111,44 @@ class Float8:
     """Float8 rowwise grouped GEMMs for the routed experts (torchao MoE training, sm90+)."""
     emulate: bool = False
     """Emulated float8 (tests on CPU): numerics of float8 without float8 hardware."""
+
+
+def _check_loss_chunk(job_config: Any) -> None:
+    chunk = job_config.training.loss_chunk
+    if chunk < 0:
+        raise ConfigError(f"training.loss_chunk must be >= 0 (0: full logits), got {chunk}")
+    if chunk and job_config.parallelism.sharding == "simple_fsdp":
+        raise ConfigError("training.loss_chunk > 0 supports parallelism.sharding = 'fsdp2' only; "
+                          "set loss_chunk = 0 with simple_fsdp")
+
+
+def _check_context_parallel(job_config: Any, vision: str) -> None:
+    """CP shards each sequence into cp contiguous slabs (titan_moe/context_parallel.py)."""
+    parallelism, training = job_config.parallelism, job_config.training
+    cp = parallelism.context_parallel_degree
+    if cp <= 1:
+        return
+    slab = cp * KDA_CHUNK_SIZE
+    if training.seq_len % slab:
+        raise ConfigError(
+            f"training.seq_len = {training.seq_len} must be a multiple of "
+            f"parallelism.context_parallel_degree x the KDA chunk = {cp} x {KDA_CHUNK_SIZE} "
+            f"= {slab}, so every rank holds whole chunks")
+    unsupported = {
+        "parallelism.pipeline_parallel_degree > 1": parallelism.pipeline_parallel_degree > 1,
+        "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
+        "parallelism.expert_parallel_degree > 1": parallelism.expert_parallel_degree > 1,
+        "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
+        "compile.enable": job_config.compile.enable,
+        "titan_moe.vision (image batches)": vision != "none",
+        "eval.long_context": job_config.eval.long_context,
+        "validation.enable": job_config.validation.enable,
+    }
+    for name, on in unsupported.items():
+        if on:
+            raise ConfigError(
+                f"parallelism.context_parallel_degree = {cp} does not support {name}; "
+                "context parallelism runs text batches with sharding = 'fsdp2', eager")
 
 
 def _check_scale(job_config: Any, device_type: str) -> None:
@@ -380,8 +421,10 @@ def _check_semantics(job_config: Any) -> None:
     _check_scale(job_config, device_type)
     _check_data(job_config)
     _check_eval(job_config)
+    _check_loss_chunk(job_config)
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
+    _check_context_parallel(job_config, _vision(job_config, flavor_args))
     seq_lens = [("training.seq_len", job_config.training.seq_len)]
     if job_config.validation.enable:
         seq_lens.append(("validation.seq_len", job_config.validation.seq_len))
@@ -409,9 +452,13 @@ def _check_data(job_config: Any) -> None:
             raise ConfigError(str(e)) from None
 
 
+def _vision(job_config: Any, flavor_args: Any) -> str:
+    return model_overrides(job_config).get("vision", getattr(flavor_args, "vision", "none"))
+
+
 def _check_multimodal(job_config: Any, flavor_args: Any) -> None:
     training, evaluation = job_config.training, job_config.multimodal_eval
-    vision = model_overrides(job_config).get("vision", getattr(flavor_args, "vision", "none"))
+    vision = _vision(job_config, flavor_args)
     wants_images = training.image_data or evaluation.freq > 0
     if wants_images and vision == "none":
         raise ConfigError("training.image_data / multimodal_eval.freq need a vision tower: set "

@@ -15,6 +15,14 @@ Applied from outside the model (`apply_context_parallel`), per mixer instance:
   AttnRes, MoE, norms and the head are per token and need nothing.
 Collectives are the autograd-aware functional ones, so the backward is exact. Gradients of the
 parameters are each rank's share of the loss: sum them over the group (FSDP over dp×cp does).
+
+In training (`parallelism.context_parallel_degree`), parallelize.py applies this over the cp
+mesh and the trainer feeds each rank `shard_batch` of the batch its cp group shares: tokens,
+labels and doc_ids cut into the same contiguous slabs. The doc ids stay the row's own (global)
+ones, so document masking and KDA's state restarts see documents that cross a slab edge. No
+position ids are needed: MLA is NoPE and KDA's only order is its recurrence, which the state
+scan above carries across slabs. The loss is each rank's slab sum over the global token count,
+which the trainer counts on the whole rows, so the ranks' losses add up to the global mean.
 """
 
 from functools import partial
@@ -37,6 +45,17 @@ def shard_sequence(x: Tensor, group: dist.ProcessGroup, dim: int = 1) -> Tensor:
         raise ValueError(f"sequence length {x.shape[dim]} is not divisible by the "
                          f"context-parallel degree {size}")
     return x.chunk(size, dim)[rank].contiguous()
+
+
+def shard_batch(input_dict: dict[str, Tensor], labels: Tensor, group: dist.ProcessGroup
+                ) -> tuple[dict[str, Tensor], Tensor]:
+    """This rank's slab of a text batch: {"input", "doc_ids"?} [B, T] and labels [B, T]."""
+    extra = set(input_dict) - {"input", "doc_ids"}
+    if extra:
+        raise ValueError(f"context parallelism shards text batches only; this batch also has "
+                         f"{sorted(extra)}")
+    return ({k: shard_sequence(v, group) for k, v in input_dict.items()},
+            shard_sequence(labels, group))
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:

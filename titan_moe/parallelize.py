@@ -1,11 +1,15 @@
-"""Apply float8, expert parallelism, activation checkpointing, per-block compile and sharding
-(FSDP2 or SimpleFSDP) to a TitanMoE, from the TOML, on torchtitan's ParallelDims.
+"""Apply context parallelism, float8, expert parallelism, activation checkpointing, per-block
+compile and sharding (FSDP2 or SimpleFSDP) to a TitanMoE, from the TOML, on torchtitan's
+ParallelDims.
 
 Parallelism is applied from outside the model (torchtitan style): the model code knows nothing
-of meshes. Order matters: float8 swaps modules first, EP shards the experts over the ep mesh,
-AC wraps a layer, compile wraps what runs between FSDP units, sharding comes last.
+of meshes. Order matters: CP patches the sequence-mixing steps of the mixers (the cp mesh), float8
+swaps modules, EP shards the experts over the ep mesh, AC wraps a layer, compile wraps what runs
+between FSDP units, sharding comes last.
 
-    dense parameters     FSDP2 over the dp mesh (dp_replicate × fsdp), one unit per layer
+    dense parameters     FSDP2 over the dp mesh (dp_replicate × fsdp), one unit per layer;
+                         torchtitan's fsdp dim is dp_shard × cp, so the gradients of the cp
+                         ranks' shares of a sequence are summed with the data-parallel ones
     routed experts       Shard(0) over ep, then FSDP2 over efsdp (the dp ranks left over)
     fp32 islands         AttnRes queries/gains, the router, every RMSNorm: one FSDP unit per layer
                          with an fp32 policy, so mixed_precision_param = bf16 never rounds them
@@ -20,6 +24,7 @@ from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from titan_moe.context_parallel import apply_context_parallel
 from titan_moe.expert_parallel import apply_expert_parallel
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.model import TitanMoE
@@ -42,13 +47,15 @@ OP_SAC_SAVE_LIST = {
 FP32_MODULES = (AttnResSite, Router, nn.RMSNorm)
 
 _DEGREE_FIELD = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
-                 "cp": "context_parallel_degree", "etp": "expert_tensor_parallel_degree"}
+                 "etp": "expert_tensor_parallel_degree"}
 
 
 def parallelize_titan_moe(
     model: TitanMoE, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
     _reject_unsupported(parallel_dims)
+    if parallel_dims.cp_enabled:
+        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group())
     _apply_float8(model, job_config)
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
@@ -76,12 +83,13 @@ def parallelize_titan_moe(
 
 def _reject_unsupported(parallel_dims: ParallelDims) -> None:
     enabled = {"tp": parallel_dims.tp_enabled, "pp": parallel_dims.pp_enabled,
-               "cp": parallel_dims.cp_enabled, "etp": parallel_dims.etp_enabled}
+               "etp": parallel_dims.etp_enabled}
     for name, on in enabled.items():
         if on:
             raise ValueError(
                 f"parallelism.{_DEGREE_FIELD[name]} > 1 is not supported by titan_moe; allowed: "
-                "1 (use data_parallel_shard_degree for FSDP, expert_parallel_degree for EP)"
+                "1 (use data_parallel_shard_degree for FSDP, expert_parallel_degree for EP, "
+                "context_parallel_degree for long sequences)"
             )
 
 

@@ -9,6 +9,14 @@ loss, grad norm, tokens/s per device, achieved TFLOPS, MFU = achieved / peak FLO
 there is no meaningful peak on CPU), peak memory (CUDA allocator, or process RSS on CPU),
 `moe/*` from Quantile Balancing, and histograms of the relative expert load (load / mean load)
 and of the QB biases. `[profiling] enable_profiling = true` writes Chrome/Perfetto traces.
+
+`training.loss_chunk` > 0: the loss is the chunked LM-head cross-entropy (chunked_loss.py), the
+[T, vocab] logits are never whole. `parallelism.context_parallel_degree` = cp > 1: each rank of a
+cp group trains on its contiguous slab of the group's rows (context_parallel.shard_batch); the
+losses are slab sums over the global token count, summed over dp x cp for the log, the
+gradients summed by FSDP over its fsdp dim (dp_shard x cp) and the QB histograms over dp x cp.
+torchtitan's `global_max_loss` divides a rank's loss by the token count of its whole rows, so
+under CP it reads about 1/cp of the largest slab mean; `global_avg_loss` is exact.
 """
 
 import math
@@ -29,7 +37,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 
+from titan_moe.chunked_loss import ChunkedCrossEntropy, hidden_from_head
 from titan_moe.config import MODEL_NAME, parse_job_config_or_exit
+from titan_moe.context_parallel import shard_batch
 from titan_moe.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
 from titan_moe.platform import PlatformTrainer, resolve_device_type, use_platform
 
@@ -178,10 +188,29 @@ class TitanMoETrainer(PlatformTrainer):
         super().__init__(job_config)
         self.metrics_processor.data_stats = getattr(self.dataloader, "dataset", None)
         self.last_batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
+        self.head = getattr(self.model_parts[0], "output", None)
+        if job_config.training.loss_chunk:
+            # The validator keeps the full-logits loss: it runs the model outside the step.
+            self.loss_fn = ChunkedCrossEntropy(self.head, job_config.training.loss_chunk)
+        cp_mesh = self.parallel_dims.get_optional_mesh("cp")
+        self.cp_group = cp_mesh.get_group() if cp_mesh is not None else None
+
+    def post_dataloading_process(self, input_dict, labels):
+        """The batch as the model takes it; under CP this rank's slab (torchtitan's own CP
+        would shard for DTensor attention, ours is context_parallel.py's)."""
+        if self.cp_group is None:
+            return super().post_dataloading_process(input_dict, labels)
+        input_dict, labels = shard_batch(input_dict, labels, self.cp_group)
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        return input_dict["input"], labels, extra_inputs, {}
 
     def forward_backward_step(self, *, input_dict, labels, **kwargs) -> torch.Tensor:
         self.last_batch = (input_dict, labels)
-        return super().forward_backward_step(input_dict=input_dict, labels=labels, **kwargs)
+        step = super().forward_backward_step
+        if not self.job_config.training.loss_chunk:
+            return step(input_dict=input_dict, labels=labels, **kwargs)
+        with hidden_from_head(self.head):
+            return step(input_dict=input_dict, labels=labels, **kwargs)
 
     def train_step(self, data_iterator) -> None:
         super().train_step(data_iterator)

@@ -1,9 +1,11 @@
 """A tiny titan_moe training loop, single-process or under torchtitan's ParallelDims on gloo.
 
 Every run starts from the same weights (one seeded init of the full model, then sharded) and
-sees the same global batch per step (rank r of W reads rows r·B/W .. (r+1)·B/W - 1). The loss
-is the token-mean cross entropy over the global batch, as the trainer computes it: each rank
-backpropagates sum(CE) / global tokens and FSDP sums the gradients.
+sees the same global batch per step (data rank r of D reads rows r·B/D .. (r+1)·B/D - 1; with
+context parallelism the cp ranks of a data rank take the trainer's `shard_batch` slabs of its
+rows). The loss is the token-mean cross entropy over the global batch, as the trainer computes
+it: each rank backpropagates sum(CE) / global tokens (the trainer's chunked loss when
+`loss_chunk` > 0) and FSDP sums the gradients over its fsdp dim (dp_shard × cp).
 """
 
 import os
@@ -15,7 +17,9 @@ import torch.nn.functional as F
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as tt_dist_utils
 
+from titan_moe.chunked_loss import ChunkedCrossEntropy, hidden_from_head
 from titan_moe.config import job_config_class
+from titan_moe.context_parallel import shard_batch
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
@@ -42,6 +46,9 @@ def tiny_args() -> TitanMoEArgs:
 class Layout:
     world_size: int = 1
     ep: int = 1
+    cp: int = 1
+    seq_len: int = SEQ_LEN
+    loss_chunk: int = 0
     ac: str = "none"
     selective_ac_option: str = "2"
     sharding: str = "fsdp2"
@@ -51,10 +58,14 @@ class Layout:
     name: str = field(default="")
 
 
-def global_batch(vocab: int) -> torch.Tensor:
-    """One fixed batch, fed every step: memorising it makes the loss fall within 5 steps."""
+def global_batch(vocab: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed batch (tokens [B, T+1], doc ids [B, T]), fed every step: memorising it makes
+    the loss fall within 5 steps. A second document starts at 5/8 of each row, so under cp = 2
+    one document crosses the slab edge."""
     g = torch.Generator().manual_seed(1000)
-    return torch.randint(vocab, (GLOBAL_ROWS, SEQ_LEN + 1), generator=g)
+    tokens = torch.randint(vocab, (GLOBAL_ROWS, seq_len + 1), generator=g)
+    doc_ids = (torch.arange(seq_len) >= seq_len * 5 // 8).int().expand(GLOBAL_ROWS, -1)
+    return tokens, doc_ids
 
 
 def build_model() -> TitanMoE:
@@ -70,6 +81,8 @@ def job_config(layout: Layout):
     config.activation_checkpoint.selective_ac_option = layout.selective_ac_option
     config.parallelism.sharding = layout.sharding
     config.parallelism.expert_parallel_degree = layout.ep
+    config.parallelism.context_parallel_degree = layout.cp
+    config.training.loss_chunk = layout.loss_chunk
     config.training.mixed_precision_param = layout.param_dtype
     config.training.mixed_precision_reduce = "float32"
     config.compile.enable = layout.compile_backend is not None
@@ -82,27 +95,41 @@ def train(layout: Layout, steps: int = 5) -> dict:
     """Per-step global losses and each router's QB bias after every step."""
     model = build_model()
     distributed = layout.world_size > 1
-    group, ep_enabled, rank = None, False, 0
+    group, ep_enabled = None, False
+    cp_group, dp_rank = None, 0
     if distributed:
-        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=layout.ep, etp=1,
-                            world_size=layout.world_size)
+        dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=layout.cp, tp=1, pp=1, ep=layout.ep,
+                            etp=1, world_size=layout.world_size)
         model = parallelize_titan_moe(model, dims, job_config(layout))
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
         group = dims.get_mesh("loss").get_group()
-        ep_enabled, rank = dims.ep_enabled, dist.get_rank()
+        ep_enabled = dims.ep_enabled
+        if dims.cp_enabled:
+            cp_group = dims.get_mesh("cp").get_group()
+        if dims.dp_enabled:
+            dp_rank = dims.get_mesh("batch").get_local_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
     balancer = QuantileBalancer(model, dp_group=group)
-    rows = GLOBAL_ROWS // layout.world_size
+    rows = GLOBAL_ROWS * layout.cp // layout.world_size
+    loss_fn = ChunkedCrossEntropy(model.output, layout.loss_chunk) if layout.loss_chunk else None
     losses, biases = [], []
     for _ in range(steps):
-        batch = global_batch(model.args.vocab_size)
-        local = batch[rank * rows:(rank + 1) * rows]
-        logits = model(local[:, :-1])
-        n_tokens = GLOBAL_ROWS * SEQ_LEN
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), local[:, 1:].flatten(),
-                                   reduction="sum")
+        tokens, doc_ids = global_batch(model.args.vocab_size, layout.seq_len)
+        own = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        inputs = {"input": tokens[own, :-1], "doc_ids": doc_ids[own]}
+        labels = tokens[own, 1:]
+        if cp_group is not None:
+            inputs, labels = shard_batch(inputs, labels, cp_group)
+        n_tokens = GLOBAL_ROWS * layout.seq_len
+        if loss_fn is None:
+            logits = model(inputs["input"], inputs["doc_ids"])
+            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                       reduction="sum")
+        else:
+            with hidden_from_head(model.output):
+                loss_sum = loss_fn(model(inputs["input"], inputs["doc_ids"]), labels)
         (loss_sum / n_tokens).backward()
         tt_dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, ep_enabled=ep_enabled)
         optimizer.step()
@@ -133,18 +160,19 @@ def fp32_island_dtypes(layout: Layout) -> dict[str, str]:
             seen.setdefault(name, str(getattr(m, attr).dtype))
 
         module.register_forward_pre_hook(record)
-    model(global_batch(128)[:1, :-1])
+    model(global_batch(128)[0][:1, :-1])
     return seen
 
 
-def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], out: str) -> None:
+def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], out: str,
+                island_dtypes: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     use_platform("cpu")
     dist.init_process_group("gloo")
     results = {layout.name: train(layout) for layout in layouts}
-    if world_size == 2:
+    if island_dtypes:
         for sharding in ("fsdp2", "simple_fsdp"):
             layout = Layout(2, sharding=sharding, param_dtype="bfloat16")
             results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)

@@ -44,8 +44,8 @@ def reference() -> dict:
 
 def _run(world_size: int, tmp_path) -> dict:
     out = tmp_path / f"results{world_size}.pt"
-    mp.spawn(spawn_entry, args=(world_size, _free_port(), LAYOUTS[world_size], str(out)),
-             nprocs=world_size, join=True)
+    mp.spawn(spawn_entry, args=(world_size, _free_port(), LAYOUTS[world_size], str(out),
+                                world_size == 2), nprocs=world_size, join=True)
     return torch.load(out)
 
 

@@ -1,11 +1,31 @@
-"""Chunked linear + cross-entropy equals the full-logit F.cross_entropy, values and gradients."""
+"""Chunked linear + cross-entropy equals the full-logit F.cross_entropy, values and gradients:
+the op alone (float64), the trainer's path through a whole model (`hidden_from_head` +
+`ChunkedCrossEntropy`, float32) and under CPU bf16 autocast (what the trainer uses on one
+device with mixed_precision_param = bfloat16)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_moe.chunked_loss import chunked_linear_cross_entropy
+from tests.distributed.harness import build_model, global_batch
+from titan_moe.chunked_loss import (
+    ChunkedCrossEntropy,
+    chunked_linear_cross_entropy,
+    hidden_from_head,
+)
 
 TOL = 1e-10  # float64
+MODEL_RTOL = 1e-5  # float32, relative to each tensor's largest magnitude: summation order only
+BF16_RTOL = 2e-2  # bf16 matmuls, the two paths round the logits and gradients differently
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Spinning OpenMP threads slow these tiny matmuls tenfold on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_chunked_loss_and_gradients_match_full_logits():
@@ -22,3 +42,45 @@ def test_chunked_loss_and_gradients_match_full_logits():
     assert abs(loss.item() - reference.item()) < TOL * reference.item()
     assert (d_hidden - ref_hidden).abs().max() < TOL
     assert (d_weight - ref_weight).abs().max() < TOL
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _model_loss_and_grads(chunk: int, autocast: bool) -> tuple[torch.Tensor, dict]:
+    model = build_model()
+    tokens, doc_ids = global_batch(model.args.vocab_size)
+    tokens[0, 7] = -100  # an ignored label
+    inputs, labels = tokens[:, :-1].clamp(min=0), tokens[:, 1:]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if chunk:
+            with hidden_from_head(model.output):
+                hidden = model(inputs, doc_ids)
+            assert hidden.shape[-1] == model.args.dim  # the head computed no logits
+            loss = ChunkedCrossEntropy(model.output, chunk)(hidden, labels)
+        else:
+            loss = F.cross_entropy(model(inputs, doc_ids).float().flatten(0, 1),
+                                   labels.flatten(), reduction="sum", ignore_index=-100)
+    (loss / labels.numel()).backward()
+    assert model(inputs[:1, :8]).shape[-1] == model.args.vocab_size  # the head is back
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_trainer_loss_path_matches_full_logits_loss():
+    loss, grads = _model_loss_and_grads(chunk=48, autocast=False)
+    ref_loss, ref_grads = _model_loss_and_grads(chunk=0, autocast=False)
+    assert _rel(loss, ref_loss) < MODEL_RTOL
+    assert grads.keys() == ref_grads.keys() and "output.weight" in grads
+    for name, grad in grads.items():
+        assert _rel(grad, ref_grads[name]) < MODEL_RTOL, (name, _rel(grad, ref_grads[name]))
+
+
+def test_trainer_loss_path_under_bf16_autocast():
+    loss, grads = _model_loss_and_grads(chunk=48, autocast=True)
+    ref_loss, ref_grads = _model_loss_and_grads(chunk=0, autocast=True)
+    assert _rel(loss, ref_loss) < BF16_RTOL
+    for name in ("output.weight", "tok_embeddings.weight", "layers.0.mixer.w_q.weight"):
+        assert grads[name].dtype == torch.float32
+        assert _rel(grads[name], ref_grads[name]) < BF16_RTOL, (name, _rel(grads[name],
+                                                                          ref_grads[name]))
