@@ -19,12 +19,12 @@ Prints a table and writes JSON (--out).
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from report import write_json
 from timing import timed
 
 from compile_passes.inspect import inspect_compile
@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['pass']:<9} {'yes' if r['with_pass'] else 'no':>3} {r['matches']:5d} "
               f"{r['generated_kernels']:7d} {r['kernel_launches']:8d} {r['extern_launches']:6d} "
               f"{r['bytes_accessed'] / 1e6:9.2f} {r['fwd_bwd_ms']:8.3f}")
-    opts.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(opts).items()},
-                                    "rows": rows}, indent=2))
-    print(f"wrote {opts.out}")
+    write_json(opts.out, opts, rows)
     return 0
 
 
