@@ -15,7 +15,8 @@ from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallelize import parallelize_titan_moe
 
-# One dense KDA layer at toy width: a SiTU-GLU MLP and an AttnRes site inside the compiled layer.
+# One dense Gated-MLA layer at toy width: a SiTU-GLU MLP and an AttnRes site inside the compiled
+# layer (MLA, not KDA: its graph compiles several times faster; tests/parity sees kda_gate fire).
 TINY_DEBUG = """
 [model]
 flavor = "debug"
@@ -28,10 +29,15 @@ enable = true
 dim = 32
 vocab_size = 64
 n_layers = 1
-mla_layers = []
+mla_layers = [1]
 n_dense_layers = 1
 head_dim = 16
 kda_gate_rank = 8
+q_lora_rank = 16
+kv_lora_rank = 16
+qk_nope_head_dim = 16
+qk_rope_head_dim = 8
+v_head_dim = 16
 dense_hidden = 32
 """
 
@@ -116,7 +122,7 @@ def _compiled_training_step(tmp_path: Path, compile_lines: str) -> dict[str, int
 
 def test_passes_fire_in_a_compiled_training_step_only_when_on(tmp_path):
     on = _compiled_training_step(tmp_path, "")
-    # The layer holds one dense SiTU-GLU, one AttnRes site (the FFN's) and one KDA gate.
-    assert on["situ_glu"] >= 1 and on["attn_res"] >= 1 and on["kda_gate"] >= 1, on
+    # The layer holds one dense SiTU-GLU and one AttnRes site (the FFN's); no KDA gate.
+    assert on["situ_glu"] >= 1 and on["attn_res"] >= 1 and on["kda_gate"] == 0, on
     off = _compiled_training_step(tmp_path, "passes = []")
     assert off == dict.fromkeys(PASS_NAMES, 0), off

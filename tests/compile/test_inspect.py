@@ -130,18 +130,20 @@ def test_blocks_compile_without_breaks_or_recompiles(inspected):
 
 
 def test_summary_counts_the_toml_passes(inspected):
-    block, _, stdout = inspected
+    block, out, stdout = inspected
     # TINY_TOML sets no compile.passes: every pass is installed, as in training; only the
     # AttnRes pass has something to match in these two blocks (one site; MLA has none).
     expected = "attn_res (1 matches)" if block == "attnres" else "attn_res (0 matches)"
     assert expected in stdout and "situ_glu (0 matches)" in stdout, stdout
+    if block == "attnres":
+        assert "aten.cat" not in (out / "post_grad" / "graph0_forward.txt").read_text()
 
 
 def test_passes_flag_overrides_the_toml(tiny_config, tmp_path):
     stdout = _run("attnres", tiny_config, tmp_path, ("--passes",))
     assert "our passes: none" in stdout, stdout
-    # Without the pass the site's matrix-vector product is still in the post-grad graph.
-    assert "aten.mv" in (tmp_path / "post_grad" / "graph0_forward.txt").read_text()
+    # Without the pass the site still stacks its sources (the pass unrolls them: no cat).
+    assert "aten.cat" in (tmp_path / "post_grad" / "graph0_forward.txt").read_text()
 
 
 class _Broken(nn.Module):
