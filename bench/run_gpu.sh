@@ -22,5 +22,7 @@ step gpu_tests python -m pytest -m gpu tests -p no:cacheprovider
 step kda python bench/kda.py --out "$out/kda.json"
 step moe python bench/moe.py --out "$out/moe.json"
 step long_context python bench/long_context.py --out "$out/long_context.json"
+step compile python bench/compile.py --out "$out/compile.json"
+step train_step python bench/step.py --out "$out/step.json"
 echo "results in $out"
 exit $status

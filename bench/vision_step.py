@@ -14,11 +14,11 @@ window of patch slots) and MFU against --peak-tflops. Prints a table and writes 
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
+from report import write_json
 from timing import timed
 
 from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_document
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
         print(f"{r['mode']:<11} {r['ms']:9.1f} {r['tokens_per_s']:10.0f} "
               f"{r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu}")
-    opts.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(opts).items()},
-                                    "rows": rows}, indent=2))
-    print(f"wrote {opts.out}")
+    write_json(opts.out, opts, rows)
     return 0
 
 

@@ -1,10 +1,13 @@
 """What torch.compile makes of one titan_moe block: FX graphs, Inductor code, kernels, breaks.
 
     python -m compile_passes.inspect --config configs/debug.toml --block mla --out /tmp/mla
+    python -m compile_passes.inspect ... --passes situ_glu attn_res   # or --passes: none
 
 The block is built from the TOML exactly as `titan_moe.params` builds the model, initialised, and
 run forward + backward `--steps` times under `torch.compile(fullgraph=False)`, so graph breaks are
-recorded instead of raised. Every artefact comes from a hook that exists in torch 2.11 and 2.13:
+recorded instead of raised. Our Inductor passes are the TOML's `compile.passes` (all of them by
+default, as in training) unless `--passes` names others; the summary counts their matches.
+Every artefact comes from a hook that exists in torch 2.11 and 2.13:
 
     pre-grad graph    a dynamo backend that prints each captured GraphModule, then hands it to
                       Inductor's `compile_fx`
@@ -33,8 +36,9 @@ import argparse
 import json
 import re
 import sys
+import tomllib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,6 +47,7 @@ import torch.nn as nn
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from compile_passes.registry import PASS_NAMES, FusionPasses, check_pass_names, matched_counts
 from titan_moe.model.args import ConfigError, TitanMoEArgs
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.kda import KimiDeltaAttention
@@ -73,6 +78,8 @@ class CompileInspection:
     graph_breaks: dict[str, int] = field(default_factory=dict)  # reason -> count
     recompiles: list[str] = field(default_factory=list)
     aten_ops: dict[str, set[str]] = field(default_factory=dict)  # unit -> post-grad op names
+    passes: list[str] = field(default_factory=list)  # our Inductor passes installed
+    pass_matches: dict[str, int] = field(default_factory=dict)  # pass -> matches
 
     @property
     def n_graph_breaks(self) -> int:
@@ -142,9 +149,14 @@ def _aten_op_names(graph: torch.fx.Graph) -> set[str]:
 
 
 def inspect_compile(
-    module: nn.Module, inputs: tuple, steps: int = 2, loss_fn: Callable | None = None
+    module: nn.Module,
+    inputs: tuple,
+    steps: int = 2,
+    loss_fn: Callable | None = None,
+    passes: Sequence[str] = (),
 ) -> CompileInspection:
-    """Compile `module` (fullgraph=False), run forward + backward `steps` times, record it all.
+    """Compile `module` (fullgraph=False) with our Inductor `passes`, run forward + backward
+    `steps` times, record it all.
 
     The loss is mean(out²), in fp32 or wider, unless `loss_fn(out)` is given. Later steps must
     reuse the first step's graphs, so anything they compile shows up as a recompilation.
@@ -158,6 +170,8 @@ def inspect_compile(
         "joint_custom_pre_pass": _Hook(recorder.on_joint),
         "post_grad_custom_post_pass": _Hook(recorder.on_post_grad),
     }
+    if passes:
+        patches["joint_custom_post_pass"] = FusionPasses(passes)
     with (
         torch._inductor.config.patch(patches),
         torch._functorch.config.patch(enable_autograd_cache=False),
@@ -168,6 +182,8 @@ def inspect_compile(
             loss = loss_fn(out) if loss_fn is not None else _mean_square(out)
             loss.backward()
     result = recorder.result
+    result.passes = list(passes)
+    result.pass_matches = {name: n for name, n in matched_counts().items() if name in passes}
     result.graph_breaks = dict(counters["graph_break"])
     result.recompiles = [
         f"{code.co_name} ({code.co_filename}:{code.co_firstlineno}): {reason}"
@@ -366,6 +382,8 @@ def _summary(result: CompileInspection, title: str) -> str:
         f"generated kernels: {len(generated)} "
         f"({sum(k.launches for k in generated)} launches per forward+backward)",
         f"extern calls: {len(extern)} kinds ({sum(k.launches for k in extern)} launches)",
+        "our passes: " + (", ".join(f"{name} ({n} matches)" for name, n in
+                                    result.pass_matches.items()) or "none"),
         "",
         "Files: pre_grad/, joint/, post_grad/, inductor/ (output code), kernels.md, "
         "kernels.json, graph_breaks.md.",
@@ -375,6 +393,22 @@ def _summary(result: CompileInspection, title: str) -> str:
     for message in result.recompiles:
         lines.append(f"- recompile: {' '.join(message.split())}")
     return "\n".join(lines) + "\n"
+
+
+def passes_from_toml(path: Path) -> list[str]:
+    """The TOML's `compile.passes` (every pass when it is not set), checked."""
+    with path.open("rb") as f:
+        passes = tomllib.load(f).get("compile", {}).get("passes", list(PASS_NAMES))
+    if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
+        raise ConfigError(f"compile.passes: expected a list of str, got {passes!r} ({path})")
+    return passes
+
+
+def _check_passes(passes: list[str], field: str) -> None:
+    try:
+        check_pass_names(passes, field)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _device(name: str) -> torch.device:
@@ -400,16 +434,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="forward+backward passes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--passes", nargs="*", metavar="PASS",
+                        help=f"our Inductor passes ({', '.join(PASS_NAMES)}); none after the flag "
+                        "turns them off. Default: the TOML's compile.passes")
     opts = parser.parse_args(argv)
     try:
         args, toml_seq_len = args_from_toml(opts.config)
+        passes = opts.passes if opts.passes is not None else passes_from_toml(opts.config)
+        _check_passes(passes, "--passes" if opts.passes is not None else "compile.passes")
         seq_len = opts.seq_len or toml_seq_len
         device = _device(opts.device)
         module, inputs = build_block(opts.block, args, opts.batch, seq_len, device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = inspect_compile(module, inputs, steps=opts.steps)
+    result = inspect_compile(module, inputs, steps=opts.steps, passes=passes)
     title = f"{opts.block} from {opts.config} (batch {opts.batch}, seq_len {seq_len}, {device})"
     print(write_report(result, opts.out, title), end="")
     return 0

@@ -11,7 +11,8 @@ Precedence is torchtitan's: CLI (`--titan_moe.n_layers 4`) > TOML (`[titan_moe] 
 offending key; `parse_job_config_or_exit` prints it and exits 2. Checked here: the config file
 exists and parses, sections and keys exist (the message lists the allowed keys), values have the
 field's type, `training.seq_len` is a multiple of the KDA chunk, the model args accept the
-overrides, the profiler schedule fits, and the processes per node fit the devices.
+overrides, the profiler schedule fits, `compile.passes` names known passes on the Inductor
+backend, and the processes per node fit the devices.
 Run `python -m titan_moe.config --job.config_file F [--section.key value ...]` to check only.
 """
 
@@ -30,9 +31,11 @@ from typing import Any, Literal
 
 import torch
 import torchtitan.config as tt_config
+import torchtitan.config.job_config as tt_job_config
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
+from compile_passes.registry import PASS_NAMES, check_pass_names
 from titan_moe.model.args import ConfigError
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
 
@@ -169,6 +172,33 @@ def _check_scale(job_config: Any, device_type: str) -> None:
         )
 
 
+# --- Compile: our Inductor passes (issue 6) -------------------------------------------------------
+
+
+@dataclass
+class Compile(tt_job_config.Compile):
+    passes: list[str] = field(default_factory=lambda: list(PASS_NAMES))
+    """Our Inductor passes (compile_passes/registry.py), installed on every compiled layer:
+    situ_glu, attn_res, kda_gate; [] (CLI: --compile.passes "") compiles without them."""
+    fullgraph: bool = True
+    """torch.compile(fullgraph=...) of each compiled piece: True turns a graph break into an
+    error."""
+
+
+def _check_compile(job_config: Any) -> None:
+    config = job_config.compile
+    config.passes = [name for name in config.passes if name]  # CLI "" is the empty list
+    try:
+        check_pass_names(config.passes, "compile.passes")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.enable and config.passes and config.backend != "inductor":
+        raise ConfigError(
+            f"compile.passes {config.passes} are Inductor passes but compile.backend is "
+            f"{config.backend!r}; allowed with passes: 'inductor' (or set compile.passes = [])"
+        )
+
+
 # -------------------------------------------------------------------------------------------------
 
 
@@ -243,7 +273,7 @@ def overrides_section(args_cls: type) -> type:
 
 def job_config_class(args_cls: type) -> type:
     """torchtitan's JobConfig with our model defaults, `training.device`, `parallelism.sharding`,
-    `[float8]` and `[titan_moe]`."""
+    `compile.passes` / `compile.fullgraph`, `[float8]` and `[titan_moe]`."""
     section = overrides_section(args_cls)
     return make_dataclass(
         "TitanMoEJobConfig",
@@ -251,6 +281,7 @@ def job_config_class(args_cls: type) -> type:
             ("model", Model, field(default_factory=Model)),
             ("training", Training, field(default_factory=Training)),
             ("parallelism", Parallelism, field(default_factory=Parallelism)),
+            ("compile", Compile, field(default_factory=Compile)),
             ("float8", Float8, field(default_factory=Float8)),
             ("eval", Eval, field(default_factory=Eval)),
             (MODEL_NAME, section, field(default_factory=section)),
@@ -419,6 +450,7 @@ def _check_semantics(job_config: Any) -> None:
         )
     _check_profiling(job_config.profiling, device_type)
     _check_scale(job_config, device_type)
+    _check_compile(job_config)
     _check_data(job_config)
     _check_eval(job_config)
     _check_loss_chunk(job_config)

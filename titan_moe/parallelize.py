@@ -16,6 +16,10 @@ between FSDP units, sharding comes last.
                          (spec §2, §5); QB buffers are buffers, never cast.
 """
 
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -24,6 +28,7 @@ from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
 from titan_moe.context_parallel import apply_context_parallel
 from titan_moe.expert_parallel import apply_expert_parallel
 from titan_moe.model.attn_res import AttnResSite
@@ -72,7 +77,8 @@ def parallelize_titan_moe(
     shard = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
     if compile_model:
         units = fsdp_units(model, parallel_dims.ep_enabled, fp32_islands(shard, param_dtype))
-        apply_compile(model, job_config.compile.backend, units)
+        apply_compile(model, job_config.compile.backend, units, job_config.compile.passes,
+                      job_config.compile.fullgraph)
     if shard:
         dp_mesh = parallel_dims.get_mesh(
             ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
@@ -122,31 +128,48 @@ def fsdp_units(model: TitanMoE, expert_parallel: bool, fp32: bool) -> set[nn.Mod
     return units
 
 
-def apply_compile(model: TitanMoE, backend: str, units: set[nn.Module]) -> None:
-    """torch.compile(fullgraph=True) per decoder layer; around nested FSDP units instead.
+def apply_compile(
+    model: TitanMoE,
+    backend: str,
+    units: set[nn.Module],
+    passes: Sequence[str] = PASS_NAMES,
+    fullgraph: bool = True,
+) -> None:
+    """torch.compile per decoder layer (and ViT block), with our Inductor passes; around nested
+    FSDP units instead.
 
     An FSDP unit's hooks break a fullgraph trace, so a layer holding units is compiled piecewise:
     every maximal submodule free of units is compiled whole, and a unit's own `forward` is
     compiled (its FSDP hooks stay outside, on __call__). The EP experts stay eager (their
-    all-to-all splits are read on the host).
+    all-to-all splits are read on the host). The passes (`compile.passes`) are installed through
+    `torch.compile(options=...)`, so they apply to these compiles only.
     """
+    check_pass_names(passes)
+    if passes and backend != "inductor":
+        raise ValueError(
+            f"compile.passes {list(passes)} are Inductor passes; compile.backend is {backend!r} "
+            "(allowed with passes: 'inductor'; or set compile.passes = [])"
+        )
+    compile_fn = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
+                                   options=inductor_options(passes) or None)
     for layer_id, layer in model.layers.named_children():
-        model.layers.register_module(layer_id, _compile_around(layer, backend, units))
+        model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
     if getattr(model, "vision", None) is not None:
         for block_id, block in model.vision.blocks.named_children():
-            model.vision.blocks.register_module(
-                block_id, torch.compile(block, backend=backend, fullgraph=True))
+            model.vision.blocks.register_module(block_id, compile_fn(block))
 
 
-def _compile_around(module: nn.Module, backend: str, units: set[nn.Module]) -> nn.Module:
+def _compile_around(
+    module: nn.Module, compile_fn: Callable[..., Any], units: set[nn.Module]
+) -> nn.Module:
     if not any(m in units for m in module.modules()):
-        return torch.compile(module, backend=backend, fullgraph=True)
+        return compile_fn(module)
     if module in units:
         if not isinstance(module, GroupedExperts):
-            module.forward = torch.compile(module.forward, backend=backend, fullgraph=True)
+            module.forward = compile_fn(module.forward)
         return module
     for name, child in list(module.named_children()):
-        module.register_module(name, _compile_around(child, backend, units))
+        module.register_module(name, _compile_around(child, compile_fn, units))
     return module
 
 

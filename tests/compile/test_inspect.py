@@ -52,7 +52,7 @@ def tiny_config(tmp_path_factory) -> Path:
     return path
 
 
-def _run(block: str, config: Path, out: Path) -> str:
+def _run(block: str, config: Path, out: Path, extra: tuple[str, ...] = ()) -> str:
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         rc = main(
@@ -67,6 +67,7 @@ def _run(block: str, config: Path, out: Path) -> str:
                 "16",
                 "--out",
                 str(out),
+                *extra,
             ]
         )
     assert rc == 0
@@ -128,6 +129,23 @@ def test_blocks_compile_without_breaks_or_recompiles(inspected):
     assert "dynamo graphs: 1" in stdout
 
 
+def test_summary_counts_the_toml_passes(inspected):
+    block, out, stdout = inspected
+    # TINY_TOML sets no compile.passes: every pass is installed, as in training; only the
+    # AttnRes pass has something to match in these two blocks (one site; MLA has none).
+    expected = "attn_res (1 matches)" if block == "attnres" else "attn_res (0 matches)"
+    assert expected in stdout and "situ_glu (0 matches)" in stdout, stdout
+    if block == "attnres":
+        assert "aten.cat" not in (out / "post_grad" / "graph0_forward.txt").read_text()
+
+
+def test_passes_flag_overrides_the_toml(tiny_config, tmp_path):
+    stdout = _run("attnres", tiny_config, tmp_path, ("--passes",))
+    assert "our passes: none" in stdout, stdout
+    # Without the pass the site still stacks its sources (the pass unrolls them: no cat).
+    assert "aten.cat" in (tmp_path / "post_grad" / "graph0_forward.txt").read_text()
+
+
 class _Broken(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.sin(x) * 2
@@ -181,6 +199,8 @@ def test_clear_one_line_errors(tiny_config, tmp_path, capsys):
     cases = [
         (["--config", str(tmp_path / "missing.toml")], "no such file"),
         (["--config", str(tiny_config), "--block", "conv"], "unknown block"),
+        (["--config", str(tiny_config), "--passes", "fuse_all"],
+         "--passes: unknown pass 'fuse_all'; allowed: situ_glu, attn_res, kda_gate"),
         (
             ["--config", str(tiny_config), "--device", f"cuda:{torch.cuda.device_count() + 7}"],
             "cuda",

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 from compile_passes.inspect import inspect_compile
-from compile_passes.registry import FusionPasses, matched_counts
+from compile_passes.registry import matched_counts
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.situ_glu import situ_glu
 
@@ -21,9 +21,8 @@ class _SiTUGLU(nn.Module):
 
 
 def _compiled_vs_eager(module: nn.Module, inputs: list[torch.Tensor], passes: list[str]):
-    with torch._inductor.config.patch(joint_custom_post_pass=FusionPasses(passes)):
-        result = inspect_compile(module, (inputs,) if isinstance(module, AttnResSite) else
-                                 tuple(inputs), steps=1)
+    result = inspect_compile(module, (inputs,) if isinstance(module, AttnResSite) else
+                             tuple(inputs), steps=1, passes=passes)
     compiled = [x.grad.clone() for x in inputs]
     for x in inputs:
         x.grad = None
@@ -70,7 +69,7 @@ def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
 def test_unknown_pass_name_is_a_clear_error():
     import pytest
 
-    from compile_passes.apply import apply_compile
+    from titan_moe.parallelize import apply_compile
 
     with pytest.raises(ValueError, match="compile.passes: unknown pass 'fuse_all'; allowed"):
-        apply_compile(nn.Module(), passes=["fuse_all"])
+        apply_compile(nn.Module(), "inductor", set(), passes=["fuse_all"])

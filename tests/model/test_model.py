@@ -1,11 +1,11 @@
-"""The whole decoder: packed documents stay independent; compiled equals eager with no break."""
+"""The whole decoder: packed documents stay independent; experts and decays are initialised.
+
+Compiled vs eager lives in tests/parity/."""
 
 import torch
 
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
-
-COMPILE_RTOL = 1e-4  # float32, relative to the largest magnitude of each tensor
 
 
 def _debug_model(dtype=torch.float32, **overrides) -> TitanMoE:
@@ -48,25 +48,6 @@ def test_every_routed_expert_is_initialised():
             assert torch.isfinite(per_expert).all(), name
             assert (per_expert.std(1) > 0).all(), name
             assert len({tuple(r[:8].tolist()) for r in per_expert}) == p.shape[0], name
-
-
-def test_compiled_model_matches_eager_with_no_graph_break():
-    model = _debug_model()
-    torch.manual_seed(2)
-    tokens = torch.randint(0, model.args.vocab_size, (2, 64))
-    doc_ids = torch.tensor([[0] * 20 + [1] * 44, [0] * 64])
-    eager_out = model(tokens, doc_ids)
-    eager_out.square().mean().backward()
-    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    # fullgraph=True turns any graph break into an error.
-    compiled = torch.compile(model, fullgraph=True)
-    out = compiled(tokens, doc_ids)
-    out.square().mean().backward()
-    assert _rel(out, eager_out) < COMPILE_RTOL
-    for n, p in model.named_parameters():
-        if n in eager_grads:
-            assert _rel(p.grad, eager_grads[n]) < COMPILE_RTOL * 10, n
 
 
 def test_kda_decay_init_follows_the_spec():

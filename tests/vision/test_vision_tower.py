@@ -1,4 +1,4 @@
-"""The vision tower: 2-D RoPE, placeholder scatter, eager vs compiled, gradients reaching it."""
+"""The vision tower: 2-D RoPE, placeholder scatter, gradients reaching it (compiled: parity)."""
 
 import dataclasses
 
@@ -66,29 +66,6 @@ def _tower_inputs(vision, g):
     image = torch.full((2, p), -1)
     image[0, :16], image[0, 16:40], image[1, :8] = 0, 1, 0
     return patches, pos, image
-
-
-def test_vision_tower_eager_matches_compiled(vision):
-    # fp32 on CPU: forward and input/weight gradients within 1e-4 of eager. One small block
-    # keeps the cold compile of forward + backward short.
-    vision = dataclasses.replace(vision, dim=32, n_layers=1, mlp_hidden=64).validate()
-    torch.manual_seed(0)
-    tower = VisionTower(vision, out_dim=32)
-    tower.init_weights(0.02)
-    patches, pos, image = _tower_inputs(vision, torch.Generator().manual_seed(1))
-    compiled = torch.compile(tower, fullgraph=True)
-    outs, grads = [], []
-    for fn in (tower, compiled):
-        x = patches.clone().requires_grad_()
-        out = fn(x, pos, image)
-        out.square().sum().backward()
-        outs.append(out.detach())
-        grads.append((x.grad, tower.patch_embed.weight.grad.clone()))
-        tower.zero_grad()
-    assert outs[0].shape == (2, vision.window_patches // 4, 32)
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
-    for a, b in zip(grads[1], grads[0], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_images_attend_only_within_themselves(vision):

@@ -1,0 +1,154 @@
+"""Training-step time and MFU: eager vs compiled vs compiled with our Inductor passes, on text and
+on the multimodal batch (vision tower included).
+
+    python bench/step.py                       # H200: proxy flavor (+ proxy tower), bf16 autocast
+    python bench/step.py --smoke               # CPU: tiny debug-flavor model, fp32, one step each
+
+Each row times one AdamW step of a freshly built, seeded model (forward, cross entropy, backward,
+optimizer; median of --iters after --warmup, the first of which compiles). The compiled modes
+compile as training does (titan_moe/parallelize.py's apply_compile: per decoder layer and ViT
+block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass. Text
+rows feed --batch windows of --seq-len random tokens with a document boundary every --doc-len
+tokens; multimodal rows feed windows packed by the training packer (bench/vision_step.py's
+batch: random images of dynamic size plus captions). TFLOPS by model/flops.py (the tower counted
+per window of patch slots), MFU against --peak-tflops (CUDA only). Prints a table, the speed-up
+of each compiled mode over eager, and writes JSON (--out).
+"""
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from report import write_json
+from timing import timed
+from vision_step import H200_BF16_DENSE_TFLOPS, build_batch
+
+from compile_passes.registry import PASS_NAMES
+from titan_moe.model.args import TitanMoEArgs, get_flavor
+from titan_moe.model.flops import flops_per_token
+from titan_moe.model.model import TitanMoE
+from titan_moe.parallelize import apply_compile
+from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
+
+MODES = {"eager": None, "compiled": [], "compiled+passes": list(PASS_NAMES)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU: debug flavor cut to 2 layers "
+                        "at toy width, seq 64, batch 2, one timed step per row")
+    parser.add_argument("--flavor", default="proxy", choices=("debug", "proxy"))
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--doc-len", type=int, default=2048, help="text rows: tokens a document")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--inputs", nargs="+", default=["text", "multimodal"],
+                        choices=("text", "multimodal"))
+    parser.add_argument("--min-side", type=int, default=112, help="multimodal: image side, px")
+    parser.add_argument("--max-side", type=int, default=896)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    parser.add_argument("--out", type=Path, default=Path("step.json"))
+    opts = parser.parse_args(argv)
+    if opts.smoke:
+        opts.flavor, opts.seq_len, opts.batch, opts.doc_len = "debug", 64, 2, 40
+        opts.min_side, opts.max_side, opts.warmup, opts.iters = 28, 56, 1, 1
+    if opts.seq_len % 64:
+        parser.error(f"--seq-len must be a multiple of the KDA chunk 64, got {opts.seq_len}")
+    if opts.doc_len < 1:
+        parser.error(f"--doc-len must be >= 1, got {opts.doc_len}")
+    return opts
+
+
+def model_args(opts, vision: bool) -> TitanMoEArgs:
+    args = dataclasses.replace(get_flavor(opts.flavor), max_seq_len=opts.seq_len,
+                               vision=opts.flavor if vision else "none")
+    if opts.smoke:  # toy widths: the cold CPU compile of each layer stays in seconds
+        args = dataclasses.replace(
+            args, dim=32, n_layers=2, mla_layers=(2,), dense_hidden=64, head_dim=16,
+            kda_gate_rank=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_experts=8, shared_hidden=16, latent_dim=16,
+            expert_hidden=16, qb_bins=64, vision_max_patches=16 if vision else 0)
+    return args.validate()
+
+
+def text_batch(opts, vocab: int, device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (opts.batch, opts.seq_len), generator=g)
+    doc_ids = (torch.arange(opts.seq_len) // opts.doc_len).expand(opts.batch, -1)
+    return {"input": tokens.to(device), "doc_ids": doc_ids.contiguous().to(device)}
+
+
+def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
+    args = model_args(opts, inputs == "multimodal")
+    if inputs == "multimodal":
+        tokenizer = TitanTokenizer(asset_path(FLAVOR_VOCAB_SIZE[opts.flavor]))
+        batch = build_batch(opts, tokenizer, args.vision_config(), device)
+    else:
+        batch = text_batch(opts, args.vocab_size, device)
+    labels = torch.roll(batch["input"], -1, dims=1)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TitanMoE(args)
+    model.init_weights()
+    if MODES[mode] is not None:
+        apply_compile(model, "inductor", set(), passes=MODES[mode])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    image_inputs = ([batch["patches"], batch["patch_pos"], batch["patch_image"]]
+                    if inputs == "multimodal" else [])
+
+    def step() -> None:
+        with amp:
+            logits = model(batch["input"], batch["doc_ids"], *image_inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = timed(step, device, opts.warmup, opts.iters)
+    n_tokens = batch["input"].numel()
+    tflops = flops_per_token(args, opts.seq_len) * n_tokens / (ms * 1e-3) / 1e12
+    row = {
+        "inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
+        "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms,
+        "tokens_per_s": n_tokens / (ms * 1e-3), "tflops": tflops,
+        "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+    }
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    device = "cpu" if opts.smoke or not torch.cuda.is_available() else "cuda"
+    rows = []
+    for inputs in opts.inputs:
+        for mode in opts.modes:
+            rows.append(bench_one(opts, inputs, mode, device))
+            if device == "cuda":
+                torch.cuda.empty_cache()  # the row's model and optimizer are gone: free them
+    eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        r["speedup_vs_eager"] = eager_ms[r["inputs"]] / r["ms"] if r["inputs"] in eager_ms else None
+    print(f"{'inputs':<11} {'mode':<16} {'ms':>9} {'tok/s':>10} {'TFLOPS':>8} {'MFU%':>6} "
+          f"{'x eager':>7} {'GiB':>6}")
+    for r in rows:
+        mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
+        speedup = f"{r['speedup_vs_eager']:7.2f}" if r["speedup_vs_eager"] else "      -"
+        mem = f"{r['peak_mem_gib']:6.1f}" if r["peak_mem_gib"] is not None else "     -"
+        print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['tokens_per_s']:10.0f} "
+              f"{r['tflops']:8.3f} {mfu} {speedup} {mem}")
+    write_json(opts.out, opts, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

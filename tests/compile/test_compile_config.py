@@ -1,0 +1,128 @@
+"""The TOML [compile] switch for our passes: defaults, bad values, and the passes firing (or not)
+in a compiled debug training step built the way the trainer builds it (parse_job_config ->
+parallelize_titan_moe -> forward, cross entropy, backward, AdamW step)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.distributed import ParallelDims
+
+from compile_passes.registry import PASS_NAMES, matched_counts
+from titan_moe.config import ConfigError, parse_job_config
+from titan_moe.model.args import get_flavor
+from titan_moe.model.model import TitanMoE
+from titan_moe.parallelize import parallelize_titan_moe
+
+# One dense Gated-MLA layer at toy width: a SiTU-GLU MLP and an AttnRes site inside the compiled
+# layer (MLA, not KDA: its graph compiles several times faster; tests/parity sees kda_gate fire).
+TINY_DEBUG = """
+[model]
+flavor = "debug"
+[training]
+seq_len = 64
+[compile]
+enable = true
+{compile}
+[titan_moe]
+dim = 32
+vocab_size = 64
+n_layers = 1
+mla_layers = [1]
+n_dense_layers = 1
+head_dim = 16
+kda_gate_rank = 8
+q_lora_rank = 16
+kv_lora_rank = 16
+qk_nope_head_dim = 16
+qk_rope_head_dim = 8
+v_head_dim = 16
+dense_hidden = 32
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("NGPU", "1")
+
+
+def _config(tmp_path: Path, compile_lines: str = "", cli: tuple[str, ...] = ()):
+    path = tmp_path / "job.toml"
+    path.write_text(TINY_DEBUG.format(compile=compile_lines))
+    return parse_job_config(["--job.config_file", str(path), *cli])
+
+
+def _error(tmp_path: Path, compile_lines: str = "", cli: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, compile_lines, cli)
+    return str(info.value)
+
+
+def test_passes_are_on_by_default_with_fullgraph():
+    config = parse_job_config([])
+    assert config.compile.passes == list(PASS_NAMES)
+    assert config.compile.fullgraph is True
+
+
+def test_passes_switch_off_from_the_toml_and_the_cli(tmp_path):
+    assert _config(tmp_path, "passes = []").compile.passes == []
+    assert _config(tmp_path, cli=("--compile.passes", "")).compile.passes == []
+    chosen = _config(tmp_path, cli=("--compile.passes", "situ_glu,attn_res"))
+    assert chosen.compile.passes == ["situ_glu", "attn_res"]
+    assert _config(tmp_path, "fullgraph = false").compile.fullgraph is False
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ('passes = ["fuse_all"]',
+         "compile.passes: unknown pass 'fuse_all'; allowed: situ_glu, attn_res, kda_gate"),
+        ('passes = ["situ_glu", "situ_glu"]', "compile.passes: a pass is listed twice"),
+        ('passes = "situ_glu"', "compile.passes: expected a list of str, got 'situ_glu'"),
+        ('fullgraph = "yes"', "compile.fullgraph: expected bool, got 'yes'"),
+        ('backend = "aot_eager"',
+         "compile.passes ['situ_glu', 'attn_res', 'kda_gate'] are Inductor passes but "
+         "compile.backend is 'aot_eager'; allowed with passes: 'inductor'"),
+    ],
+)
+def test_bad_compile_values_name_the_field_and_what_is_allowed(tmp_path, lines, message):
+    assert message in _error(tmp_path, lines)
+
+
+def test_other_backends_are_allowed_without_passes(tmp_path):
+    config = _config(tmp_path, 'backend = "aot_eager"\npasses = []')
+    assert config.compile.backend == "aot_eager"
+
+
+def _compiled_training_step(tmp_path: Path, compile_lines: str) -> dict[str, int]:
+    config = _config(tmp_path, compile_lines)
+    args = get_flavor(config.model.flavor)
+    args.update_from_config(config)
+    torch.manual_seed(0)
+    model = TitanMoE(args)
+    model.init_weights()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = parallelize_titan_moe(model, dims, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, args.vocab_size, (2, config.training.seq_len + 1))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    # A cache hit would replay an earlier compile without running the passes.
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    return matched_counts()
+
+
+def test_passes_fire_in_a_compiled_training_step_only_when_on(tmp_path):
+    on = _compiled_training_step(tmp_path, "")
+    # The layer holds one dense SiTU-GLU and one AttnRes site (the FFN's); no KDA gate.
+    assert on["situ_glu"] >= 1 and on["attn_res"] >= 1 and on["kda_gate"] == 0, on
+    off = _compiled_training_step(tmp_path, "passes = []")
+    assert off == dict.fromkeys(PASS_NAMES, 0), off
