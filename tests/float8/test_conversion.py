@@ -68,7 +68,7 @@ def test_emulated_float8_forward_is_close_to_fp32_but_quantized():
     reference = build_model()
     model = build_model()
     convert_dense_linears(model, Float8(enable=True, filter_min_size=32, emulate=True))
-    tokens = global_batch(128)[:2, :-1]
+    tokens = global_batch(128)[0][:2, :-1]
     want, got = reference(tokens), model(tokens)
     rel = ((got - want).norm() / want.norm()).item()
     assert 1e-3 < rel < 0.1, rel
@@ -88,7 +88,7 @@ def test_routed_experts_convert_to_float8_grouped_gemm_weights():
                    for p in model.layers["1"].ffn.experts.parameters())
     assert model.layers["1"].ffn.group_align == 16
     # The CPU grouped GEMM is the exact per-expert fallback: the model still trains.
-    model(global_batch(128)[:1, :-1]).float().mean().backward()
+    model(global_batch(128)[0][:1, :-1]).float().mean().backward()
     assert model.layers["1"].ffn.experts.w1.grad is not None
 
 

@@ -38,7 +38,7 @@ def _train(model, steps: int = 5) -> tuple[list[float], float]:
     from tests.distributed.harness import global_batch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    batch = global_batch(128).cuda()
+    batch = global_batch(128)[0].cuda()
     losses, start = [], 0.0
     for step in range(steps):
         if step == 1:

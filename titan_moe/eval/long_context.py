@@ -7,9 +7,10 @@
                        d ∈ [0, 1] of a context of L tokens; the context ends with the key again.
                        Scores: mean log-prob of the value tokens given the rest (teacher forced)
                        and accuracy (every value token is the argmax).
-Random-token phrases need no tokenizer and cannot be guessed from the haystack. Logits are
-computed once per sequence under no_grad; the cross-entropy runs in chunks of positions, so
-only the model's [T, vocab] logits (not an fp32 copy) are ever held.
+Random-token phrases need no tokenizer and cannot be guessed from the haystack. The model runs
+once per sequence under no_grad with its head bypassed (`hidden_from_head`); logits are formed
+from the hidden states LOSS_CHUNK positions at a time (the needle: only at the value tokens), so
+no [T, vocab] tensor is ever held, which at 1M tokens would not fit.
 """
 
 from collections.abc import Sequence
@@ -19,6 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from titan_moe.chunked_loss import hidden_from_head
 
 POSITION_BUCKETS = (0, 1024, 8192, 65536, 262144, 1048576)
 LOSS_CHUNK = 8192  # positions per cross-entropy call
@@ -42,13 +46,27 @@ def document_positions(doc_ids: Tensor) -> Tensor:
     return index - torch.cummax(torch.where(starts, index, 0), dim=-1).values
 
 
+def _hidden(model: nn.Module, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    """[B, T, D]: what the model's LM head would read."""
+    with hidden_from_head(model.output):
+        return model(tokens, doc_ids)
+
+
+def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
+    """float32 logits of some positions' hidden states (the head's weight gathered if sharded)."""
+    weight = model.output.weight
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    return (hidden @ weight.to(hidden.dtype).T).float()
+
+
 @torch.no_grad()
 def token_losses(model: nn.Module, tokens: Tensor, labels: Tensor,
                  doc_ids: Tensor | None = None) -> Tensor:
     """[B, T] next-token cross-entropy of every position, in float32."""
-    logits = model(tokens, doc_ids)
+    hidden = _hidden(model, tokens, doc_ids)
     losses = [
-        F.cross_entropy(logits[:, s : s + LOSS_CHUNK].float().flatten(0, 1),
+        F.cross_entropy(_logits(model, hidden[:, s : s + LOSS_CHUNK]).flatten(0, 1),
                         labels[:, s : s + LOSS_CHUNK].flatten(), reduction="none")
         for s in range(0, tokens.shape[1], LOSS_CHUNK)
     ]
@@ -87,7 +105,7 @@ def needle_probe(model: nn.Module, haystack: Tensor, spec: NeedleSpec, vocab_siz
                 tokens, value_at = _needle_context(haystack, length, depth, spec, vocab_size,
                                                    generator)
                 tokens = tokens.to(haystack.device)
-                logits = model(tokens[None, :-1])[0, value_at - 1 :].float()
+                logits = _logits(model, _hidden(model, tokens[None, :-1])[0, value_at - 1 :])
                 value = tokens[value_at:]
                 logprobs.append(logits.log_softmax(-1).gather(-1, value[:, None]).mean())
                 hits.append((logits.argmax(-1) == value).all().float())
