@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for one lease of a GPU machine:
 #   bench/run_gpu.sh [OUT_DIR]          (default: outputs/bench-<date>)
-# Runs the `gpu`-marked tests, then bench/kda.py, bench/moe.py and bench/long_context.py; each
+# Runs the `gpu`-marked tests, then every benchmark of bench/ (each issue's GPU figures); each
 # step's log and JSON land in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
 # fla autotunes for minutes at every new shape.
 set -uo pipefail
@@ -24,5 +24,10 @@ step moe python bench/moe.py --out "$out/moe.json"
 step long_context python bench/long_context.py --out "$out/long_context.json"
 step compile python bench/compile.py --out "$out/compile.json"
 step train_step python bench/step.py --out "$out/step.json"
+step plan_validate python -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
+step float8_grouped python bench/float8_training.py --check-grouped-gemm
+step float8_training python bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
+step vision_step python bench/vision_step.py --out "$out/vision_step.json"
+step generate python bench/generate.py --out "$out/generate.json"
 echo "results in $out"
 exit $status
