@@ -27,7 +27,6 @@ step train_step python bench/step.py --out "$out/step.json"
 step plan_validate python -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_grouped python bench/float8_training.py --check-grouped-gemm
 step float8_training python bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
-step vision_step python bench/vision_step.py --out "$out/vision_step.json"
 step generate python bench/generate.py --out "$out/generate.json"
 echo "results in $out"
 exit $status

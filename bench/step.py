@@ -9,8 +9,10 @@ optimizer; median of --iters after --warmup, the first of which compiles). The c
 compile as training does (titan_moe/parallelize.py's apply_compile: per decoder layer and ViT
 block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass. Text
 rows feed --batch windows of --seq-len random tokens with a document boundary every --doc-len
-tokens; multimodal rows feed windows packed by the training packer (bench/vision_step.py's
-batch: random images of dynamic size plus captions). TFLOPS by model/flops.py (the tower counted
+tokens; multimodal rows feed windows packed by the training packer (data/multimodal.py) from
+documents of one random image (sides drawn from --min-side..--max-side pixels, so dynamic
+resolution and the patch budget are exercised) and a caption, and also report image patches/s
+(real patches, not empty slots). TFLOPS by model/flops.py (the tower counted
 per window of patch slots), MFU against --peak-tflops (CUDA only). Prints a table, the speed-up
 of each compiled mode over eager, and writes JSON (--out).
 """
@@ -24,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from report import write_json
 from timing import timed
-from vision_step import H200_BF16_DENSE_TFLOPS, build_batch
 
 from compile_passes.registry import PASS_NAMES
+from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_document
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
 from titan_moe.model.model import TitanMoE
@@ -34,6 +36,7 @@ from titan_moe.parallelize import apply_compile
 from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 
 MODES = {"eager": None, "compiled": [], "compiled+passes": list(PASS_NAMES)}
+H200_BF16_DENSE_TFLOPS = 989.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,11 +86,25 @@ def text_batch(opts, vocab: int, device: str) -> dict[str, torch.Tensor]:
     return {"input": tokens.to(device), "doc_ids": doc_ids.contiguous().to(device)}
 
 
+def multimodal_batch(opts, tokenizer, vision, device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    packer = MultimodalPacker(opts.seq_len, vision, tokenizer.pad_id)
+    windows = []
+    while len(windows) < opts.batch:
+        h, w = torch.randint(opts.min_side, opts.max_side + 1, (2,), generator=g).tolist()
+        image = torch.rand(3, h, w, generator=g)
+        document = encode_document([image, f"a random picture of {h} by {w} pixels"], tokenizer,
+                                   vision)
+        windows += [batch_item(x, tokenizer.image_id)[0] for x in packer.add(document)]
+    return {k: torch.stack([x[k] for x in windows[: opts.batch]]).to(device)
+            for k in windows[0]}
+
+
 def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     args = model_args(opts, inputs == "multimodal")
     if inputs == "multimodal":
         tokenizer = TitanTokenizer(asset_path(FLAVOR_VOCAB_SIZE[opts.flavor]))
-        batch = build_batch(opts, tokenizer, args.vision_config(), device)
+        batch = multimodal_batch(opts, tokenizer, args.vision_config(), device)
     else:
         batch = text_batch(opts, args.vocab_size, device)
     labels = torch.roll(batch["input"], -1, dims=1)
@@ -115,15 +132,16 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
     ms = timed(step, device, opts.warmup, opts.iters)
     n_tokens = batch["input"].numel()
+    n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
     tflops = flops_per_token(args, opts.seq_len) * n_tokens / (ms * 1e-3) / 1e12
-    row = {
+    return {
         "inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
         "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms,
-        "tokens_per_s": n_tokens / (ms * 1e-3), "tflops": tflops,
+        "tokens_per_s": n_tokens / (ms * 1e-3), "image_patches": n_patches,
+        "patches_per_s": n_patches / (ms * 1e-3), "tflops": tflops,
         "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
     }
-    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,14 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager"}
     for r in rows:
         r["speedup_vs_eager"] = eager_ms[r["inputs"]] / r["ms"] if r["inputs"] in eager_ms else None
-    print(f"{'inputs':<11} {'mode':<16} {'ms':>9} {'tok/s':>10} {'TFLOPS':>8} {'MFU%':>6} "
-          f"{'x eager':>7} {'GiB':>6}")
+    print(f"{'inputs':<11} {'mode':<16} {'ms':>9} {'tok/s':>10} {'patch/s':>10} {'TFLOPS':>8} "
+          f"{'MFU%':>6} {'x eager':>7} {'GiB':>6}")
     for r in rows:
         mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
         speedup = f"{r['speedup_vs_eager']:7.2f}" if r["speedup_vs_eager"] else "      -"
         mem = f"{r['peak_mem_gib']:6.1f}" if r["peak_mem_gib"] is not None else "     -"
         print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['tokens_per_s']:10.0f} "
-              f"{r['tflops']:8.3f} {mfu} {speedup} {mem}")
+              f"{r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} {speedup} {mem}")
     write_json(opts.out, opts, rows)
     return 0
 
