@@ -52,11 +52,14 @@ def _hidden(model: nn.Module, tokens: Tensor, doc_ids: Tensor | None = None) -> 
         return model(tokens, doc_ids)
 
 
-def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    """float32 logits of some positions' hidden states (the head's weight gathered if sharded)."""
+def _head_weight(model: nn.Module) -> Tensor:
+    """The LM head's weight, gathered once if FSDP shards it."""
     weight = model.output.weight
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor()
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+
+def _logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """float32 logits of some positions' hidden states."""
     return (hidden @ weight.to(hidden.dtype).T).float()
 
 
@@ -64,9 +67,9 @@ def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
 def token_losses(model: nn.Module, tokens: Tensor, labels: Tensor,
                  doc_ids: Tensor | None = None) -> Tensor:
     """[B, T] next-token cross-entropy of every position, in float32."""
-    hidden = _hidden(model, tokens, doc_ids)
+    hidden, weight = _hidden(model, tokens, doc_ids), _head_weight(model)
     losses = [
-        F.cross_entropy(_logits(model, hidden[:, s : s + LOSS_CHUNK]).flatten(0, 1),
+        F.cross_entropy(_logits(hidden[:, s : s + LOSS_CHUNK], weight).flatten(0, 1),
                         labels[:, s : s + LOSS_CHUNK].flatten(), reduction="none")
         for s in range(0, tokens.shape[1], LOSS_CHUNK)
     ]
@@ -94,7 +97,7 @@ def needle_probe(model: nn.Module, haystack: Tensor, spec: NeedleSpec, vocab_siz
     """Needle log-prob and accuracy per (length, depth), keyed `long_context/needle_*`."""
     generator = torch.Generator().manual_seed(seed)
     phrase = spec.key_tokens + spec.value_tokens
-    metrics = {}
+    metrics, weight = {}, _head_weight(model)
     for length in spec.lengths:
         if length > haystack.numel() or length < 2 * phrase + spec.key_tokens:
             raise ValueError(f"needle length {length} must lie in "
@@ -105,7 +108,7 @@ def needle_probe(model: nn.Module, haystack: Tensor, spec: NeedleSpec, vocab_siz
                 tokens, value_at = _needle_context(haystack, length, depth, spec, vocab_size,
                                                    generator)
                 tokens = tokens.to(haystack.device)
-                logits = _logits(model, _hidden(model, tokens[None, :-1])[0, value_at - 1 :])
+                logits = _logits(_hidden(model, tokens[None, :-1])[0, value_at - 1 :], weight)
                 value = tokens[value_at:]
                 logprobs.append(logits.log_softmax(-1).gather(-1, value[:, None]).mean())
                 hits.append((logits.argmax(-1) == value).all().float())
