@@ -18,6 +18,9 @@ def chunk_output_kernel(
     C: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """o [B,T,H,V] in o's dtype."""
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    scale = tl.cast(scale, tl.float32)
     chunk, v_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
     n_chunks = tl.num_programs(0)

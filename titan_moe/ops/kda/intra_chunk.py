@@ -114,6 +114,9 @@ def chunk_intra_kernel(
     Inputs are [B,T,H,*]; outputs are padded to Tp = cdiv(T, C) * C. Rows past T load as zero
     (g = 0, beta = 0, k = 0: they leave the state untouched).
     """
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    scale, g_min = tl.cast(scale, tl.float32), tl.cast(g_min, tl.float32)
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     t0 = chunk * C

@@ -60,6 +60,9 @@ def intra_chunk_bwd_kernel(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq, dk, dv, dg (of g_raw with FUSED_GATE), dbeta, all [B,T,H,*] in their input's dtype."""
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    scale, g_min = tl.cast(scale, tl.float32), tl.cast(g_min, tl.float32)
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     n_chunks = tl.num_programs(0)

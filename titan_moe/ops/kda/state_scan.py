@@ -86,6 +86,9 @@ def state_scan_bwd_kernel(
     STORE_D_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next), dv_new [B,Tp,H,V], dS_0."""
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    scale = tl.cast(scale, tl.float32)
     v_block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     n_chunks = tl.cdiv(T, C)

@@ -64,6 +64,9 @@ def qb_route_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    route_scale = tl.cast(route_scale, tl.float32)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
