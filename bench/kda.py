@@ -103,8 +103,17 @@ def fla_impls() -> dict[str, Callable]:
     return {"fla": plain, "fla_fused": fused}
 
 
+def ours_plain(q, k, v, g, beta):
+    return chunk_kda(q, k, v, g, beta, backend="triton")
+
+
 def ours_fused(q, k, v, g_raw, beta, A_log, dt_bias):
-    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN)
+    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN, backend="triton")
+
+
+def fla_op_fused(q, k, v, g_raw, beta, A_log, dt_bias):
+    """fla's kernels through our custom ops (the model's `kda_backend = "fla"`)."""
+    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN, backend="fla")
 
 
 def layer_memory(lengths: list[int], device: str) -> list[dict]:
@@ -164,11 +173,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench/kda.json")
     opts = parser.parse_args()
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
-    impls = {"titan_moe": (chunk_kda, False), "titan_moe_fused": (ours_fused, True)}
+    impls = {"titan_moe": (ours_plain, False), "titan_moe_fused": (ours_fused, True)}
     fla = {} if opts.device != "cuda" or opts.no_fla else fla_impls()
     if fla:
         impls = {"titan_moe": impls["titan_moe"], "fla": (fla["fla"], False),
-                 "titan_moe_fused": impls["titan_moe_fused"], "fla_fused": (fla["fla_fused"], True)}
+                 "titan_moe_fused": impls["titan_moe_fused"], "fla_fused": (fla["fla_fused"], True),
+                 "fla_op_fused": (fla_op_fused, True)}
     else:
         print("note: fla-core (CUDA) not used here; timing ours only")
     bandwidth = copy_bandwidth(opts.device)
@@ -189,7 +199,7 @@ def main() -> None:
     if opts.profile and opts.device == "cuda":
         for text in opts.shapes.split(";"):
             shape = tuple(int(v) for v in text.split(","))
-            profiles[text] = kernel_profile(chunk_kda, shape, opts.device, dtype, False)
+            profiles[text] = kernel_profile(ours_plain, shape, opts.device, dtype, False)
     speedups = {}
     for ours, theirs in (("titan_moe", "fla"), ("titan_moe_fused", "fla_fused")):
         pairs = [(o, f) for o in rows if o["impl"] == ours for f in rows

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from report import write_json
-from timing import timed
+from timing import timed, top_device_time
 
 from compile_passes.registry import PASS_NAMES
 from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_document
@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: the 15 largest device-time entries of one step per row")
     parser.add_argument("--out", type=Path, default=Path("step.json"))
     opts = parser.parse_args(argv)
     if opts.smoke:
@@ -131,6 +133,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms = timed(step, device, opts.warmup, opts.iters)
+    profile = top_device_time(step, ms) if opts.profile and device == "cuda" else []
     n_tokens = batch["input"].numel()
     n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
     tflops = flops_per_token(args, opts.seq_len) * n_tokens / (ms * 1e-3) / 1e12
@@ -141,6 +144,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         "patches_per_s": n_patches / (ms * 1e-3), "tflops": tflops,
         "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "profile": profile,
     }
 
 
@@ -164,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         mem = f"{r['peak_mem_gib']:6.1f}" if r["peak_mem_gib"] is not None else "     -"
         print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['tokens_per_s']:10.0f} "
               f"{r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} {speedup} {mem}")
+    for r in rows:
+        if r["profile"]:
+            print(f"top device time, {r['inputs']} {r['mode']} ({r['ms']:.1f} ms a step):")
+            for e in r["profile"]:
+                print(f"  {e['ms']:8.2f} ms {100 * e['share']:5.1f}%  x{e['calls']:<4} "
+                      f"{e['kernel'][:80]}")
     write_json(opts.out, opts, rows)
     return 0
 

@@ -114,6 +114,7 @@ def _conv_with_halo(
 def _recurrence_across_shards(
     group: dist.ProcessGroup, q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, A_log: Tensor,
     dt_bias: Tensor, beta: Tensor, g_min: float, doc_ids: Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     batch, _, heads, d_k = q.shape
     d_v = v.shape[-1]
@@ -125,7 +126,7 @@ def _recurrence_across_shards(
     v_aug = torch.cat([v, v.new_zeros(*v.shape[:3], d_k)], -1)
     o_aug, final = chunk_kda_fused_gate(q, k, v_aug, g_raw, A_log, dt_bias, beta, g_min,
                                         initial_state=state_aug, output_final_state=True,
-                                        doc_ids=doc_ids)
+                                        doc_ids=doc_ids, backend=backend)
     o_local, o_through_start = o_aug.split([d_v, d_k], -1)
     finals = _gather(final, group)  # [R, B, H, K, V + K]
     docs = _local_docs(q, doc_ids)

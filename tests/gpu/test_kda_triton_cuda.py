@@ -1,4 +1,5 @@
-"""The KDA Triton op on CUDA in bf16: against float64 and against fla-core 0.6.0.
+"""The KDA CUDA backends in bf16: our Triton op and the fla-backed custom op (`fla_backend.py`),
+each against float64; ours also against fla-core 0.6.0's own `chunk_kda`.
 
 Errors are relative RMS, ||got - want|| / ||want||, per output and per gradient (q, k, v, g,
 beta, initial state; A_log, dt_bias for the fused gate). Bounds (the KDA issue's): 5e-3 for the
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 
 from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
-from titan_moe.ops.kda import chunk_kda_torch, chunk_kda_triton, kda_gate
+from titan_moe.ops.kda import chunk_kda_fla, chunk_kda_torch, chunk_kda_triton, kda_gate
 from titan_moe.ops.kda.chunk_triton import chunk_kda_fwd
+from titan_moe.ops.kda.fla_backend import FLA_INSTALLED, fla_kda_fwd
 from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
 
 pytestmark = [
@@ -84,27 +86,33 @@ def kda_case(name):
     return leaves, loss, initial, cu, fused
 
 
-def ours_and_grads(name):
+BACKENDS = {"triton": chunk_kda_triton, "fla": chunk_kda_fla}
+needs_fla = pytest.mark.skipif(not FLA_INSTALLED, reason="fla-core (the anchor) not installed")
+BACKEND_PARAMS = ["triton", pytest.param("fla", marks=needs_fla)]
+
+
+def ours_and_grads(name, backend="triton"):
     leaves, loss, initial, cu, fused = kda_case(name)
     ours = [x.detach().clone().requires_grad_() for x in leaves]
     seq_len = ours[0].shape[1]
     doc = None if cu is None else doc_index_from_cu_seqlens(cu, seq_len)[None]
     gate_args = dict(A_log=ours[-2], dt_bias=ours[-1], g_min=G_MIN) if fused else {}
-    o, s = chunk_kda_triton(*ours[:5], initial_state=initial(ours),
-                            output_final_state=cu is None, doc=doc, **gate_args)
+    o, s = BACKENDS[backend](*ours[:5], initial_state=initial(ours),
+                             output_final_state=cu is None, doc=doc, **gate_args)
     assert o.dtype == torch.bfloat16
     return o, s, torch.autograd.grad(loss(o, s), ours)
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("name", CASES)
-def test_bf16_op_matches_float64(name):
+def test_bf16_op_matches_float64(name, backend):
     leaves, loss, initial, cu, fused = kda_case(name)
     leaves64 = [x.double().requires_grad_() for x in leaves]
     g64 = kda_gate(leaves64[3], leaves64[-2], leaves64[-1], G_MIN) if fused else leaves64[3]
     o64, s64 = chunk_kda_torch(*leaves64[:3], g64, leaves64[4], initial_state=initial(leaves64),
                                output_final_state=cu is None, cu_seqlens=cu)
     want = torch.autograd.grad(loss(o64, s64), leaves64)
-    o, s, got = ours_and_grads(name)
+    o, s, got = ours_and_grads(name, backend)
     assert rel_rms(o, o64) <= O_RMS
     if cu is None:
         assert rel_rms(s, s64) <= O_RMS
@@ -132,14 +140,16 @@ def test_bf16_op_matches_fla(name):
         assert rel_rms(a, b) <= GRAD_RMS, (i, rel_rms(a, b))
 
 
-def test_opcheck_fake_tensor_and_autograd():
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_opcheck_fake_tensor_and_autograd(backend):
     q, k, v, g, beta, h0, _, _ = make_case(1, 130, 2, 64, "random")
     args = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
     args += [None, None, None, h0, 64**-0.5, G_MIN, True]
-    torch.library.opcheck(chunk_kda_fwd, args)
+    torch.library.opcheck({"triton": chunk_kda_fwd, "fla": fla_kda_fwd}[backend], args)
 
 
-def test_op_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_op_compiles_fullgraph_and_matches_eager(backend):
     """The op alone, fused gate and documents on, at a small shape: a quick compile check."""
     q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 2, 64, "fused")
     leaves = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)] + [A_log, dt_bias]
@@ -151,8 +161,8 @@ def test_op_compiles_fullgraph_and_matches_eager():
         return [o, *torch.autograd.grad(o.float().square().sum(), leaves)]
 
     def op(q, k, v, g, beta, A_log, dt_bias):
-        return chunk_kda_triton(q, k, v, g, beta, doc=doc, A_log=A_log, dt_bias=dt_bias,
-                                g_min=G_MIN)
+        return BACKENDS[backend](q, k, v, g, beta, doc=doc, A_log=A_log, dt_bias=dt_bias,
+                                 g_min=G_MIN)
 
     eager = run(op)
     compiled = run(torch.compile(op, fullgraph=True))
@@ -160,10 +170,12 @@ def test_op_compiles_fullgraph_and_matches_eager():
         assert rel_rms(got, want) <= 1e-3
 
 
-def test_kda_layer_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_kda_layer_compiles_fullgraph_and_matches_eager(backend):
     """fullgraph=True rejects any graph break, so compiling at all proves there is none."""
     torch.manual_seed(0)
     args = get_flavor("proxy")
+    args.kda_backend = backend
     layer = KimiDeltaAttention(args).cuda()
     layer.init_weights(0.02, 0.02)
     x = torch.randn(2, 512, args.dim, device="cuda", requires_grad=True)

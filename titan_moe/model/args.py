@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_moe.ops.kda import KDA_BACKENDS
+from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED
+
 
 class ConfigError(ValueError):
     """An inconsistent or unsupported configuration; the message names the field."""
@@ -90,6 +93,8 @@ class TitanMoEArgs(BaseModelArgs):
     kda_gate_rank: int = 128
     kda_conv_size: int = 4
     kda_g_min: float = -5.0
+    # CUDA kernels of the KDA recurrence (titan_moe.ops.kda.KDA_BACKENDS); CPU runs PyTorch.
+    kda_backend: str = "auto"
 
     # Gated MLA with NoPE (spec §4).
     mla_n_heads: int = 2
@@ -150,6 +155,10 @@ class TitanMoEArgs(BaseModelArgs):
         need(self.kda_g_min < 0, "kda_g_min", "must be < 0 (the decay's lower bound, spec: -5)")
         need(self.kda_g_min >= -5.0, "kda_g_min",
              "must be >= -5: the 16-token diagonal tiles are only safe for g >= -5 (spec §3)")
+        need(self.kda_backend in KDA_BACKENDS, "kda_backend",
+             f"must be one of {', '.join(KDA_BACKENDS)}")
+        need(self.kda_backend != "fla" or FLA_INSTALLED, "kda_backend",
+             f"'fla' needs fla-core, which is not installed: {FLA_INSTALL_HINT}")
         need(self.top_k <= self.n_experts, "top_k",
              f"must be <= n_experts = {self.n_experts}")
         need(self.top_k < self.n_experts, "top_k",

@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_moe.model.args import TitanMoEArgs
-from titan_moe.ops.kda import chunk_kda, chunk_kda_fused_gate, kda_gate
+from titan_moe.model.norm import RMSNorm
+from titan_moe.ops.kda import chunk_kda, chunk_kda_fused_gate, kda_gate, resolve_backend
 
 
 def causal_depthwise_conv(
@@ -85,6 +86,7 @@ class KimiDeltaAttention(nn.Module):
         self.n_heads = args.n_heads
         self.head_dim = args.head_dim
         self.g_min = args.kda_g_min
+        self.kda_backend = resolve_backend(args.kda_backend)
         inner = args.n_heads * args.head_dim
         self.w_q = nn.Linear(args.dim, inner, bias=False)
         self.w_k = nn.Linear(args.dim, inner, bias=False)
@@ -98,7 +100,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(inner, dtype=torch.float32))
         self.w_beta = nn.Linear(args.dim, args.n_heads, bias=False)
         self.w_g = nn.Linear(args.dim, inner, bias=False)
-        self.o_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.o_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
         self.w_o = nn.Linear(inner, args.dim, bias=False)
 
     def forward(
@@ -124,7 +126,7 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.w_beta(x).to(wide))
         g_raw = self.w_f_up(self.w_f_down(x)).view(shape)
         o, _ = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
-                                        doc_ids=doc_ids)
+                                        doc_ids=doc_ids, backend=self.kda_backend)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
         return self.w_o(o.reshape(b, t, -1))
 
@@ -158,7 +160,7 @@ class KimiDeltaAttention(nn.Module):
             o = o.unsqueeze(1)
         else:
             o, state.recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent,
-                                           output_final_state=True)
+                                           output_final_state=True, backend=self.kda_backend)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
         return self.w_o(o.reshape(b, t, -1))
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_moe.model.args import TitanMoEArgs
+from titan_moe.model.norm import RMSNorm
 
 
 def document_causal_mask(q_doc: torch.Tensor, kv_doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,10 +155,10 @@ class GatedMLA(nn.Module):
         qk = self.nope + self.rope
         self.scale = qk**-0.5
         self.w_qa = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-        self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+        self.q_norm = RMSNorm(args.q_lora_rank, eps=args.norm_eps)
         self.w_qb = nn.Linear(args.q_lora_rank, self.n_heads * qk, bias=False)
         self.w_kva = nn.Linear(args.dim, self.kv_lora + self.rope, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_lora, eps=args.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora, eps=args.norm_eps)
         self.w_kvb = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.w_g = nn.Linear(args.dim, self.n_heads * self.v_dim, bias=False)
         self.w_o = nn.Linear(self.n_heads * self.v_dim, args.dim, bias=False)

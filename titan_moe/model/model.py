@@ -26,6 +26,7 @@ from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.kda import KDAState, KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA, MLACache
 from titan_moe.model.moe import LatentMoE
+from titan_moe.model.norm import RMSNorm
 from titan_moe.model.situ_glu import SiTUGLU
 from titan_moe.model.vision import VisionTower, merged_valid, scatter_image_embeddings
 
@@ -38,8 +39,8 @@ class DecoderLayer(nn.Module):
         # Layer 0 reads the embedding directly: its mixer site would have one source only.
         self.mixer_site = AttnResSite(args.dim, args.attn_res_eps) if layer_id > 0 else None
         self.ffn_site = AttnResSite(args.dim, args.attn_res_eps)
-        self.mixer_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.mixer_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.mixer = GatedMLA(args) if args.is_mla(layer_id) else KimiDeltaAttention(args)
         if args.is_moe(layer_id):
             self.ffn = LatentMoE(
@@ -94,7 +95,7 @@ class TitanMoE(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(i, args) for i in range(args.n_layers)})
         self.final_site = AttnResSite(args.dim, args.attn_res_eps)
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         vision = args.vision_config()
         self.vision = VisionTower(vision, args.dim) if vision is not None else None

@@ -17,6 +17,7 @@ nothing syncs with the host, so torch.compile(fullgraph=True) traces the layer.
 import torch
 from torch import nn
 
+from titan_moe.model.norm import RMSNorm
 from titan_moe.model.router import Router
 from titan_moe.model.situ_glu import SiTUGLU, situ_glu
 from titan_moe.ops.grouped_mm import grouped_mm
@@ -108,7 +109,7 @@ class LatentMoE(nn.Module):
         self.router = Router(dim, n_experts, top_k, route_scale, n_bins, layer_id)
         self.w_down = nn.Linear(dim, latent_dim, bias=False)
         self.experts = GroupedExperts(n_experts, latent_dim, expert_hidden, beta1, beta2)
-        self.norm = nn.RMSNorm(latent_dim, eps=norm_eps)
+        self.norm = RMSNorm(latent_dim, eps=norm_eps)
         self.w_up = nn.Linear(latent_dim, dim, bias=False)
         # n_shared unweighted full-width experts summed equal one SiTU-GLU whose hidden units are
         # their concatenation: Σ_i W2_i h_i(x) = [W2_1 … W2_n] [h_1(x); …; h_n(x)].

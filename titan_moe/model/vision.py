@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_moe.model.args import VisionArgs
+from titan_moe.model.norm import RMSNorm
 
 
 def rope_2d(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +87,7 @@ class VisionTower(nn.Module):
         # (N(0, 1) at init), so the decoder does not see them as near-zero vectors.
         self.projector = nn.Sequential(
             nn.Linear(merged, merged), nn.GELU(approximate="tanh"), nn.Linear(merged, out_dim),
-            nn.RMSNorm(out_dim, eps=args.norm_eps),
+            RMSNorm(out_dim, eps=args.norm_eps),
         )
 
     def forward(

@@ -1,10 +1,12 @@
 """Kimi Delta Attention ops: S_t = S' + beta_t k_t (v_t - S'^T k_t)^T, S' = Diag(exp(g_t)) S_{t-1}.
 
 `chunk_kda` and `chunk_kda_fused_gate` are the training entry points (fla's layout and
-semantics). On CUDA they run the Triton op (`chunk_triton.py`), which torch.compile traces with
-no graph break; elsewhere, and for the cases the op leaves out, the plain-PyTorch chunked form
-(`chunk.py`). The branch is on the device, in Python, before any op is called: Inductor cannot
-compile user Triton kernels for CPU tensors.
+semantics). On CUDA they run one of two backends that torch.compile traces with no graph break:
+`"triton"`, our Triton op (`chunk_triton.py`), or `"fla"`, fla-core's kernels behind custom ops
+(`fla_backend.py`); `"auto"` takes fla where fla-core is installed (faster on the H200 at the
+proxy shape, bench/RESULTS.md), else ours. Elsewhere, and for the cases the ops leave out, the
+plain-PyTorch chunked form (`chunk.py`). The branch is on the device, in Python, before any op
+is called: Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
 import torch
@@ -12,15 +14,33 @@ from torch import Tensor
 
 from titan_moe.ops.kda.chunk import chunk_kda_torch
 from titan_moe.ops.kda.chunk_triton import chunk_kda_triton
+from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED, chunk_kda_fla
 from titan_moe.ops.kda.gate import kda_gate
 from titan_moe.ops.kda.intra_chunk import CHUNK as CHUNK_SIZE
 from titan_moe.ops.kda.naive import naive_recurrent_kda
 from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
 
-__all__ = ["CHUNK_SIZE", "chunk_kda", "chunk_kda_fused_gate", "chunk_kda_torch",
-           "chunk_kda_triton", "kda_gate", "naive_recurrent_kda"]
+__all__ = ["CHUNK_SIZE", "KDA_BACKENDS", "chunk_kda", "chunk_kda_fla", "chunk_kda_fused_gate",
+           "chunk_kda_torch", "chunk_kda_triton", "kda_gate", "naive_recurrent_kda",
+           "resolve_backend"]
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KDA_BACKENDS = ("auto", "triton", "fla")
+
+
+def resolve_backend(backend: str) -> str:
+    """"triton" or "fla" for a CUDA call; raises for an unknown name or fla without fla-core."""
+    if backend not in KDA_BACKENDS:
+        raise ValueError(f"KDA backend {backend!r}: allowed {', '.join(KDA_BACKENDS)}")
+    if backend == "auto":
+        return "fla" if FLA_INSTALLED else "triton"
+    if backend == "fla" and not FLA_INSTALLED:
+        raise ModuleNotFoundError(f"KDA backend 'fla' needs fla-core: {FLA_INSTALL_HINT}")
+    return backend
+
+
+def _cuda_kernels(backend: str):
+    return chunk_kda_fla if resolve_backend(backend) == "fla" else chunk_kda_triton
 
 
 def _use_triton(q: Tensor, cu_seqlens: Tensor | None, initial_state: Tensor | None,
@@ -48,12 +68,14 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     doc_ids: Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked KDA with chunk_kda_torch's signature and semantics (fla layout, scale applied)."""
+    """Chunked KDA with chunk_kda_torch's signature and semantics (fla layout, scale applied);
+    `backend` picks the CUDA kernels (KDA_BACKENDS)."""
     # The chunk math is fp32 by design (the gate's exponent range); AMP must not recast it.
     with torch.autocast(q.device.type, enabled=False):
         if _use_triton(q, cu_seqlens, initial_state, output_final_state):
-            return chunk_kda_triton(
+            return _cuda_kernels(backend)(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
             )  # fmt: skip
@@ -78,6 +100,7 @@ def chunk_kda_fused_gate(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     doc_ids: Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """chunk_kda with g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) computed by the kernels.
 
@@ -86,7 +109,7 @@ def chunk_kda_fused_gate(
     """
     with torch.autocast(q.device.type, enabled=False):
         if _use_triton(q, cu_seqlens, initial_state, output_final_state):
-            return chunk_kda_triton(
+            return _cuda_kernels(backend)(
                 q, k, v, g_raw, beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
                 A_log=A_log, dt_bias=dt_bias, g_min=g_min,

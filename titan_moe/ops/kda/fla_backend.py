@@ -1,0 +1,237 @@
+"""fla-core's chunked KDA kernels as custom ops that torch.compile traces with no graph break.
+
+fla's own `chunk_kda` is `torch.compiler.disable`d (its autograd Function launches autotuned
+kernels and prepares varlen indices on the host), so a compiled model would break its graph at
+every KDA layer. Here fla's forward and backward (`safe_gate=True, lower_bound=g_min`: the same
+lower-bounded gate g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) as ours) are two
+`torch.library.custom_op`s with fake shapes and a registered autograd, so Inductor sees one
+opaque node per direction and compiles everything around it.
+
+Documents: `doc` [B, T] (the state restarts at every change) becomes fla's varlen form, the
+rows flattened to [1, B*T] with a sequence boundary at every row start and document change;
+initial_state seeds each row's first document and the final state is each row's last one's.
+The forward keeps only fla's chunk matrices (A_qk, A_kk) and, for a precomputed gate, the
+gate's chunk cumsum; fla's backward recomputes W, U and the states from them.
+
+fla-core is an optional dependency (`pip install -e '.[gpu]'`), imported when the op first runs.
+"""
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from titan_moe.ops.kda.intra_chunk import CHUNK
+
+FLA_INSTALL_HINT = "pip install fla-core==0.6.0 (or pip install -e '.[gpu]')"
+
+
+# Looked up once: the model reads it while torch.compile traces, where no import may run.
+FLA_INSTALLED = importlib.util.find_spec("fla") is not None
+
+
+def _require_fla():
+    if not FLA_INSTALLED:
+        raise ModuleNotFoundError(f"the fla KDA backend needs fla-core: {FLA_INSTALL_HINT}")
+    # Imported here, not at module level: fla-core is optional and pulls in its kernels.
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    return chunk_kda_fwd, chunk_kda_bwd, prepare_chunk_indices
+
+
+def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(cu_seqlens [N+1] int32 over the flattened rows, each row's first and last sequence)."""
+    batch, seq_len = doc.shape
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = starts.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat([first, first.new_tensor([batch * seq_len])]).to(torch.int32)
+    seq_of_token = starts.flatten().cumsum(0) - 1
+    row_first = seq_of_token[torch.arange(batch, device=doc.device) * seq_len]
+    row_last = seq_of_token[torch.arange(1, batch + 1, device=doc.device) * seq_len - 1]
+    return cu_seqlens, row_first, row_last
+
+
+def _flat(x: Tensor | None, varlen: bool) -> Tensor | None:
+    return x.reshape(1, -1, *x.shape[2:]) if x is not None and varlen else x
+
+
+def _varlen_args(doc: Tensor | None, prepare_chunk_indices) -> dict:
+    if doc is None:
+        return dict(cu_seqlens=None, chunk_indices=None)
+    cu_seqlens, _, _ = _sequences(doc)
+    return dict(cu_seqlens=cu_seqlens, chunk_indices=prepare_chunk_indices(cu_seqlens, CHUNK))
+
+
+def _gate_args(A_log: Tensor | None, dt_bias: Tensor | None, g_min: float) -> dict:
+    return dict(safe_gate=True, lower_bound=g_min, use_gate_in_kernel=A_log is not None,
+                A_log=A_log, dt_bias=dt_bias)
+
+
+def _per_sequence(state: Tensor | None, doc: Tensor | None) -> Tensor | None:
+    """Row states [B,H,K,V] -> fla's per-sequence states [N,H,K,V] (each row's first one)."""
+    if state is None or doc is None:
+        return state
+    cu_seqlens, row_first, _ = _sequences(doc)
+    out = state.new_zeros(cu_seqlens.numel() - 1, *state.shape[1:])
+    return out.index_copy(0, row_first, state)
+
+
+@torch.library.custom_op("titan_moe::fla_kda_fwd", mutates_args=(), device_types="cuda")
+def fla_kda_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    scale: float,
+    g_min: float,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o like q, final [B,H,K,V] fp32 or empty, A_qk, A_kk [B,T,H,C] in k's dtype, G fp32 or
+    empty: the gate's chunk cumsum, kept for the backward when the gate is precomputed)."""
+    fwd, _, prepare_chunk_indices = _require_fla()
+    varlen = doc is not None
+    o, final, g_cumsum, A_qk, A_kk, *_ = fwd(
+        q=_flat(q, varlen), k=_flat(k, varlen), v=_flat(v, varlen), g=_flat(g, varlen),
+        beta=_flat(beta, varlen), scale=scale, initial_state=_per_sequence(initial_state, doc),
+        output_final_state=output_final_state, chunk_size=CHUNK,
+        **_varlen_args(doc, prepare_chunk_indices), **_gate_args(A_log, dt_bias, g_min),
+    )  # fmt: skip
+    if output_final_state and varlen:
+        final = final[_sequences(doc)[2]]
+    final = final.float() if output_final_state else q.new_empty(0, dtype=torch.float32)
+    g_cumsum = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum.view(g.shape)
+    return (o.view(v.shape).to(q.dtype), final, A_qk.view(*k.shape[:3], CHUNK),
+            A_kk.view(*k.shape[:3], CHUNK), g_cumsum)
+
+
+@fla_kda_fwd.register_fake
+def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, output_final_state):
+    batch, _, heads, d_k = q.shape
+    final = (q.new_empty(batch, heads, d_k, v.shape[-1], dtype=torch.float32)
+             if output_final_state else q.new_empty(0, dtype=torch.float32))
+    chunk_matrix = k.new_empty(*k.shape[:3], CHUNK)
+    g_cumsum = (q.new_empty(0, dtype=torch.float32) if A_log is not None
+                else q.new_empty(g.shape, dtype=torch.float32))
+    o = torch.empty_like(v, dtype=q.dtype)
+    return o, final, chunk_matrix, torch.empty_like(chunk_matrix), g_cumsum
+
+
+@torch.library.custom_op("titan_moe::fla_kda_bwd", mutates_args=(), device_types="cuda")
+def fla_kda_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    A_qk: Tensor,
+    A_kk: Tensor,
+    g_cumsum: Tensor,
+    do: Tensor,
+    d_final: Tensor | None,
+    scale: float,
+    g_min: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta in their inputs' dtypes, d initial_state, dA_log, d dt_bias; the
+    last three empty where the input is absent)."""
+    _, bwd, prepare_chunk_indices = _require_fla()
+    varlen = doc is not None
+    fused = A_log is not None
+    dht = d_final
+    if d_final is not None and varlen:
+        _, _, row_last = _sequences(doc)
+        dht = _per_sequence(torch.zeros_like(d_final), doc).index_copy(0, row_last, d_final)
+    dq, dk, dv, dbeta, dg, dh0, dA_log, d_dt_bias = bwd(
+        q=_flat(q, varlen), k=_flat(k, varlen), v=_flat(v, varlen), beta=_flat(beta, varlen),
+        Aqk=_flat(A_qk, varlen), Akk=_flat(A_kk, varlen), scale=scale,
+        initial_state=_per_sequence(initial_state, doc), do=_flat(do, varlen), dht=dht,
+        g=None if fused else _flat(g_cumsum, varlen), g_org=_flat(g, varlen) if fused else None,
+        chunk_size=CHUNK, **_varlen_args(doc, prepare_chunk_indices),
+        **_gate_args(A_log, dt_bias, g_min),
+    )  # fmt: skip
+    if initial_state is None:
+        d_initial = q.new_empty(0, dtype=torch.float32)
+    else:
+        d_initial = dh0[_sequences(doc)[1]] if varlen else dh0
+        d_initial = d_initial.to(initial_state.dtype)
+    empty = q.new_empty(0, dtype=torch.float32)
+    return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
+            dv.view(v.shape).to(v.dtype), dg.view(g.shape).to(g.dtype),
+            dbeta.view(beta.shape).to(beta.dtype), d_initial,
+            dA_log.to(A_log.dtype) if fused else empty,
+            d_dt_bias.to(dt_bias.dtype) if fused else empty)
+
+
+@fla_kda_bwd.register_fake
+def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum, do, d_final,
+      scale, g_min):
+    empty = q.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta),
+            empty if initial_state is None else torch.empty_like(initial_state),
+            empty if A_log is None else torch.empty_like(A_log),
+            empty if dt_bias is None else torch.empty_like(dt_bias))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _ = inputs
+    _, _, A_qk, A_kk, g_cumsum = output
+    ctx.mark_non_differentiable(A_qk, A_kk, g_cumsum)
+    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk,
+                          g_cumsum)
+    ctx.scale, ctx.g_min = scale, g_min
+
+
+def _backward(ctx, do, d_final, *_):
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum = ctx.saved_tensors
+    if d_final is not None and d_final.numel() == 0:
+        d_final = None
+    dq, dk, dv, dg, dbeta, d_initial, dA_log, d_dt_bias = fla_kda_bwd(
+        q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum,
+        do.contiguous(), None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min,
+    )  # fmt: skip
+    return (dq, dk, dv, dg, dbeta, None, dA_log if A_log is not None else None,
+            d_dt_bias if dt_bias is not None else None,
+            d_initial if initial_state is not None else None, None, None, None)
+
+
+fla_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunk_kda_fla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    doc: Tensor | None = None,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    g_min: float = -5.0,
+) -> tuple[Tensor, Tensor | None]:
+    """`chunk_kda_triton`'s interface and semantics, computed by fla-core's kernels."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    o, final, _, _, _ = fla_kda_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        None if doc is None else doc.contiguous(),
+        None if A_log is None else A_log.float().contiguous(),
+        None if dt_bias is None else dt_bias.float().contiguous(),
+        initial_state, float(scale), float(g_min), output_final_state,
+    )  # fmt: skip
+    return o, final if output_final_state else None
