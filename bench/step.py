@@ -1,5 +1,5 @@
 """Training-step time and MFU: eager vs compiled vs compiled with our Inductor passes, on text and
-on the multimodal batch (vision tower included).
+on the multimodal batch (vision tower included), against torchtitan's own DeepSeek-V3 on text.
 
     python bench/step.py                       # H200: proxy flavor (+ proxy tower), bf16 autocast
     python bench/step.py --smoke               # CPU: tiny debug-flavor model, fp32, one step each
@@ -7,7 +7,10 @@ on the multimodal batch (vision tower included).
 Each row times one AdamW step of a freshly built, seeded model (forward, cross entropy, backward,
 optimizer; median of --iters after --warmup, the first of which compiles). The compiled modes
 compile as training does (titan_moe/parallelize.py's apply_compile: per decoder layer and ViT
-block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass. Text
+block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass.
+`torchtitan` (text, proxy flavor or --smoke) is the anchor: torchtitan 0.2.2's deepseek_v3 at the
+proxy's widths (toy widths under --smoke), compiled per block as torchtitan compiles it
+(bench/anchor_deepseek.py), same step and tokens, TFLOPS by torchtitan's own FLOP count. Text
 rows feed --batch windows of --seq-len random tokens with a document boundary every --doc-len
 tokens; multimodal rows feed windows packed by the training packer (data/multimodal.py) from
 documents of one random image (sides drawn from --min-side..--max-side pixels, so dynamic
@@ -18,10 +21,12 @@ of each compiled mode over eager, and writes JSON (--out).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
 
+import anchor_deepseek
 import torch
 import torch.nn.functional as F
 from report import write_json
@@ -36,6 +41,7 @@ from titan_moe.parallelize import apply_compile
 from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 
 MODES = {"eager": None, "compiled": [], "compiled+passes": list(PASS_NAMES)}
+ANCHOR = "torchtitan"
 H200_BF16_DENSE_TFLOPS = 989.0
 
 
@@ -47,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--doc-len", type=int, default=2048, help="text rows: tokens a document")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=[*MODES, ANCHOR], choices=[*MODES, ANCHOR],
+                        help=f"{ANCHOR}: text rows only, proxy flavor or --smoke")
     parser.add_argument("--inputs", nargs="+", default=["text", "multimodal"],
                         choices=("text", "multimodal"))
     parser.add_argument("--min-side", type=int, default=112, help="multimodal: image side, px")
@@ -66,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seq-len must be a multiple of the KDA chunk 64, got {opts.seq_len}")
     if opts.doc_len < 1:
         parser.error(f"--doc-len must be >= 1, got {opts.doc_len}")
+    if opts.flavor != "proxy" and not opts.smoke and ANCHOR in opts.modes:
+        opts.modes.remove(ANCHOR)  # the anchor exists at proxy (and smoke) widths only
     return opts
 
 
@@ -110,20 +119,26 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     else:
         batch = text_batch(opts, args.vocab_size, device)
     labels = torch.roll(batch["input"], -1, dims=1)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = TitanMoE(args)
-    model.init_weights()
-    if MODES[mode] is not None:
-        apply_compile(model, "inductor", set(), passes=MODES[mode])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
     image_inputs = ([batch["patches"], batch["patch_pos"], batch["patch_image"]]
                     if inputs == "multimodal" else [])
+    torch.manual_seed(0)
+    if mode == ANCHOR:
+        model, flops = anchor_deepseek.build(opts.seq_len, args.vocab_size, device, opts.smoke)
+        model_inputs = [batch["input"]]
+    else:
+        with torch.device(device):
+            model = TitanMoE(args)
+        model.init_weights()
+        if MODES[mode] is not None:
+            apply_compile(model, "inductor", set(), passes=MODES[mode])
+        flops = flops_per_token(args, opts.seq_len)
+        model_inputs = [batch["input"], batch["doc_ids"], *image_inputs]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
 
     def step() -> None:
         with amp:
-            logits = model(batch["input"], batch["doc_ids"], *image_inputs)
+            logits = model(*model_inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         optimizer.step()
@@ -136,7 +151,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     profile = top_device_time(step, ms) if opts.profile and device == "cuda" else []
     n_tokens = batch["input"].numel()
     n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
-    tflops = flops_per_token(args, opts.seq_len) * n_tokens / (ms * 1e-3) / 1e12
+    tflops = flops * n_tokens / (ms * 1e-3) / 1e12
     return {
         "inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
         "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms,
@@ -154,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for inputs in opts.inputs:
         for mode in opts.modes:
-            rows.append(bench_one(opts, inputs, mode, device))
+            if mode == ANCHOR and inputs != "text":
+                continue  # a text-only model
+            with anchor_deepseek.row_scope(device) if mode == ANCHOR else contextlib.nullcontext():
+                rows.append(bench_one(opts, inputs, mode, device))
             if device == "cuda":
                 torch.cuda.empty_cache()  # the row's model and optimizer are gone: free them
     eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager"}
