@@ -10,12 +10,9 @@ import triton
 
 
 def environment() -> dict:
-    return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
-        or "cpu",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(),
-    }
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version()}
 
 
 def write_json(out: Path, opts: argparse.Namespace, rows: list[dict]) -> None:

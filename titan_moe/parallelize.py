@@ -152,9 +152,16 @@ def apply_compile(
         )
     compile_fn = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
                                    options=inductor_options(passes) or None)
+    # Every layer shares DecoderLayer.forward's code object, and layers differ in what dynamo
+    # guards on (KDA or MLA mixer, dense or MoE FFN, how many AttnRes blocks precede them), so
+    # each kind is a recompile of that one frame; with fullgraph, hitting dynamo's default
+    # limit of 8 is a hard error. Allow one graph per layer and ViT block.
+    vision = getattr(model, "vision", None)
+    n_compiled = len(model.layers) + (len(vision.blocks) if vision is not None else 0)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n_compiled)
     for layer_id, layer in model.layers.named_children():
         model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
-    if getattr(model, "vision", None) is not None:
+    if vision is not None:
         for block_id, block in model.vision.blocks.named_children():
             model.vision.blocks.register_module(block_id, compile_fn(block))
 

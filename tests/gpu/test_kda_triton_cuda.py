@@ -152,7 +152,8 @@ def test_opcheck_fake_tensor_and_autograd(backend):
 def test_op_compiles_fullgraph_and_matches_eager(backend):
     """The op alone, fused gate and documents on, at a small shape: a quick compile check."""
     q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 2, 64, "fused")
-    leaves = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)] + [A_log, dt_bias]
+    leaves = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
+    leaves += [A_log.requires_grad_(), dt_bias.requires_grad_()]
     doc = torch.zeros(2, 200, dtype=torch.int32, device="cuda")
     doc[:, 90:] = 1
 

@@ -1,0 +1,77 @@
+"""The KDA backend choice and the fla backend's document bookkeeping, on CPU.
+
+fla's kernels themselves run on CUDA only (tests/gpu/test_kda_triton_cuda.py, against float64);
+here: packed documents [B, T] -> fla's varlen sequences, checked against a per-token loop, and
+the backend names (one error naming the field for an unknown one, or for 'fla' without fla-core).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from titan_moe.model.args import ConfigError, apply_overrides, get_flavor
+from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
+from titan_moe.ops.kda.fla_backend import FLA_INSTALLED, _per_sequence, _sequences
+
+
+def random_docs(batch: int, seq_len: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch, seq_len, generator=g) < 0.05
+    return starts.long().cumsum(1) + 7  # nondecreasing per row; ids need not start at 0
+
+
+def sequences_by_loop(doc: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    cu, first, last = [], [], []
+    batch, seq_len = doc.shape
+    for b in range(batch):
+        for t in range(seq_len):
+            if t == 0 or doc[b, t] != doc[b, t - 1]:
+                if t == 0:
+                    first.append(len(cu))
+                cu.append(b * seq_len + t)
+        last.append(len(cu) - 1)
+    return cu + [batch * seq_len], first, last
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_documents_become_fla_sequences(seed):
+    doc = random_docs(3, 97, seed)
+    doc[1] = 5  # a row that is one document
+    cu_seqlens, row_first, row_last = _sequences(doc)
+    want_cu, want_first, want_last = sequences_by_loop(doc)
+    assert cu_seqlens.dtype == torch.int32
+    assert cu_seqlens.tolist() == want_cu
+    assert row_first.tolist() == want_first
+    assert row_last.tolist() == want_last
+
+
+def test_row_states_seed_each_rows_first_sequence():
+    doc = random_docs(3, 64, 0)
+    state = torch.randn(3, 2, 4, 4)
+    per_seq = _per_sequence(state, doc)
+    _, row_first, _ = _sequences(doc)
+    assert per_seq.shape[0] == _sequences(doc)[0].numel() - 1
+    for n in range(per_seq.shape[0]):
+        rows = (row_first == n).nonzero().flatten().tolist()
+        want = state[rows[0]] if rows else torch.zeros_like(state[0])
+        assert torch.equal(per_seq[n], want), n
+
+
+def test_backend_names():
+    assert resolve_backend("triton") == "triton"
+    assert resolve_backend("auto") == ("fla" if FLA_INSTALLED else "triton")
+    with pytest.raises(ValueError, match="allowed auto, triton, fla"):
+        resolve_backend("cuda")
+    with pytest.raises(ConfigError, match=r"titan_moe\.kda_backend = 'cuda'"):
+        apply_overrides(get_flavor("debug"), {"kda_backend": "cuda"})
+    for name in KDA_BACKENDS[:2]:
+        assert apply_overrides(get_flavor("debug"), {"kda_backend": name}).kda_backend == name
+
+
+@pytest.mark.skipif(FLA_INSTALLED, reason="checks the error raised without fla-core")
+def test_fla_backend_without_fla_core_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"titan_moe\.kda_backend = 'fla'.*fla-core"):
+        apply_overrides(get_flavor("debug"), {"kda_backend": "fla"})
+    with pytest.raises(ConfigError, match="kda_backend"):
+        dataclasses.replace(get_flavor("debug"), kda_backend="fla").validate()
