@@ -6,7 +6,7 @@ on the multimodal batch (vision tower included), against torchtitan's own DeepSe
 
 Each row times one AdamW step of a freshly built, seeded model (forward, cross entropy, backward,
 optimizer; median of --iters after --warmup, the first of which compiles). The compiled modes
-compile as training does (titan_moe/parallelize.py's apply_compile: per decoder layer and ViT
+compile as training does (titan_moe/parallelize.py's apply_compile: per sublayer and ViT
 block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass.
 `torchtitan` (text, proxy flavor or --smoke) is the anchor: torchtitan 0.2.2's deepseek_v3 at the
 proxy's widths (toy widths under --smoke), compiled per block as torchtitan compiles it

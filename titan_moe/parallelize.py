@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
@@ -77,8 +78,10 @@ def parallelize_titan_moe(
     shard = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
     if compile_model:
         units = fsdp_units(model, parallel_dims.ep_enabled, fp32_islands(shard, param_dtype))
+        ac = job_config.activation_checkpoint
+        op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
         apply_compile(model, job_config.compile.backend, units, job_config.compile.passes,
-                      job_config.compile.fullgraph)
+                      job_config.compile.fullgraph, whole_layers=op_sac)
     if shard:
         dp_mesh = parallel_dims.get_mesh(
             ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
@@ -134,15 +137,26 @@ def apply_compile(
     units: set[nn.Module],
     passes: Sequence[str] = PASS_NAMES,
     fullgraph: bool = True,
+    whole_layers: bool = False,
 ) -> None:
-    """torch.compile per decoder layer (and ViT block), with our Inductor passes; around nested
-    FSDP units instead.
+    """torch.compile per sublayer of every decoder layer (its two AttnRes sites, two RMSNorms,
+    mixer and FFN) and per ViT block, with our Inductor passes; around nested FSDP units instead.
 
-    An FSDP unit's hooks break a fullgraph trace, so a layer holding units is compiled piecewise:
-    every maximal submodule free of units is compiled whole, and a unit's own `forward` is
-    compiled (its FSDP hooks stay outside, on __call__). The EP experts stay eager (their
-    all-to-all splits are read on the host). The passes (`compile.passes`) are installed through
-    `torch.compile(options=...)`, so they apply to these compiles only.
+    Why sublayers, not whole decoder layers as torchtitan compiles its identical blocks: our
+    layers differ (KDA or MLA mixer, dense or MoE FFN, and the number of AttnRes sources grows
+    with depth), so whole layers are one distinct graph each, 16 for the proxy flavor, and their
+    cold compile took over 5 minutes on the H200. Sublayers of one kind are the same graph in
+    every layer: one KDA, one MLA, one dense FFN, one MoE graph, and per source count one small
+    AttnRes graph (13 graphs instead of 16 for a toy proxy, first step 50 s instead of 308 s on
+    CPU). The glue left eager is two residual adds per layer. A full-AC wrapper stays eager
+    around its layer's compiled sublayers; op-level selective AC needs its policy inside the
+    compiled graph, so `whole_layers` (set for it) compiles each layer, wrapper and all, whole.
+
+    An FSDP unit's hooks break a fullgraph trace, so a sublayer holding units is compiled
+    piecewise: every maximal submodule free of units is compiled whole, and a unit's own
+    `forward` is compiled (its FSDP hooks stay outside, on __call__). The EP experts stay eager
+    (their all-to-all splits are read on the host). The passes (`compile.passes`) are installed
+    through `torch.compile(options=...)`, so they apply to these compiles only.
     """
     check_pass_names(passes)
     if passes and backend != "inductor":
@@ -152,18 +166,22 @@ def apply_compile(
         )
     compile_fn = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
                                    options=inductor_options(passes) or None)
-    # Every layer shares DecoderLayer.forward's code object, and layers differ in what dynamo
-    # guards on (KDA or MLA mixer, dense or MoE FFN, how many AttnRes blocks precede them), so
-    # each kind is a recompile of that one frame; with fullgraph, hitting dynamo's default
-    # limit of 8 is a hard error. Allow one graph per layer and ViT block.
-    vision = getattr(model, "vision", None)
-    n_compiled = len(model.layers) + (len(vision.blocks) if vision is not None else 0)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n_compiled)
     for layer_id, layer in model.layers.named_children():
-        model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
+        if whole_layers:
+            model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
+            continue
+        inner = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
+        for name, child in list(inner.named_children()):
+            inner.register_module(name, _compile_around(child, compile_fn, units))
+    vision = getattr(model, "vision", None)
     if vision is not None:
-        for block_id, block in model.vision.blocks.named_children():
-            model.vision.blocks.register_module(block_id, compile_fn(block))
+        for block_id, block in vision.blocks.named_children():
+            vision.blocks.register_module(block_id, compile_fn(block))
+    # Sublayers of one class share a code object, and each AttnRes source count is a recompile
+    # of AttnResSite.forward; under fullgraph, passing dynamo's default limit (8) is an error.
+    n_layers = len(model.layers)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               n_layers + 2)
 
 
 def _compile_around(

@@ -1,17 +1,40 @@
-"""Per-layer compile around nested FSDP units: what gets compiled, without compiling anything
+"""Compile by sublayer, around nested FSDP units: what gets compiled, without compiling anything
 (torch.compile is lazy, so this inspects the wrapping only)."""
 
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 
 from tests.distributed.harness import build_model
 from titan_moe.model.moe import GroupedExperts
 from titan_moe.parallelize import apply_compile, fsdp_units
 
 
-def test_layers_without_units_compile_whole():
+def test_layers_without_units_compile_by_sublayer():
     model = build_model()
     apply_compile(model, "inductor", set())
+    for layer in model.layers.values():
+        assert not isinstance(layer, OptimizedModule)
+        children = dict(layer.named_children())
+        assert set(children) >= {"mixer", "ffn", "ffn_site", "mixer_norm", "ffn_norm"}
+        assert all(isinstance(child, OptimizedModule) for child in children.values()), children
+
+
+def test_whole_layers_for_op_level_selective_ac():
+    model = build_model()
+    apply_compile(model, "inductor", set(), whole_layers=True)
     assert all(isinstance(layer, OptimizedModule) for layer in model.layers.values())
+
+
+def test_full_ac_wrapper_stays_eager_around_compiled_sublayers():
+    model = build_model()
+    model.layers.register_module("1", checkpoint_wrapper(model.layers["1"]))
+    apply_compile(model, "inductor", set())
+    wrapper = model.layers["1"]
+    assert isinstance(wrapper, CheckpointWrapper)
+    assert isinstance(wrapper._checkpoint_wrapped_module.mixer, OptimizedModule)
 
 
 def test_units_stay_modules_and_the_code_between_them_compiles():
