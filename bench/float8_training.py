@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="rowwise",
                         choices=["rowwise", "tensorwise", "rowwise_with_gw_hp"])
     parser.add_argument("--filter-min-size", type=int, default=1024)
-    parser.add_argument("--compile", action="store_true", help="compile as training does (per sublayer)")
+    parser.add_argument("--compile", action="store_true", help="compile as training does")
     parser.add_argument("--ac", action="store_true", help="full activation checkpointing")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny model, emulated float8")

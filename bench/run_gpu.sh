@@ -2,8 +2,9 @@
 # Every GPU check and benchmark in one go, for one lease of a GPU machine:
 #   bench/run_gpu.sh [OUT_DIR]          (default: outputs/bench-<date>)
 # Runs the `gpu`-marked tests, then every benchmark of bench/ (each issue's GPU figures); each
-# step's log and JSON land in OUT_DIR and a failing step does not stop the next. Set TRITON_CACHE_DIR to a kept folder:
-# fla autotunes for minutes at every new shape.
+# step's log and JSON land in OUT_DIR and a failing step does not stop the next; each step is
+# capped at STEP_TIMEOUT seconds (default 900). Set TRITON_CACHE_DIR to a kept folder: fla
+# autotunes for minutes at every new head count and kernel variant.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/bench-$(date +%Y%m%d-%H%M)}
@@ -14,13 +15,14 @@ step() {
     local name=$1
     shift
     echo "=== $name"
-    "$@" 2>&1 | tee "$out/$name.log"
+    timeout "${STEP_TIMEOUT:-900}" "$@" 2>&1 | tee "$out/$name.log"
     local rc=${PIPESTATUS[0]}
     [[ $rc -eq 0 ]] || { echo "=== $name failed (exit $rc)"; status=1; }
 }
-step gpu_tests python -m pytest -m gpu tests -p no:cacheprovider
+step gpu_tests python -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600
 step kda python bench/kda.py --out "$out/kda.json"
 step moe python bench/moe.py --out "$out/moe.json"
+step router_precision python bench/router_precision.py --out "$out/router_precision.json"
 step long_context python bench/long_context.py --out "$out/long_context.json"
 step compile python bench/compile.py --out "$out/compile.json"
 step train_step python bench/step.py --out "$out/step.json"
