@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for one lease of a GPU machine:
-#   bench/run_gpu.sh [OUT_DIR]          (default: outputs/bench-<date>)
+#   bench/run_gpu.sh [OUT_DIR [STEP ...]]   (default: outputs/bench-<date>, every step)
+# Naming steps (gpu_tests, kda, moe, ...: the names below) runs only those, in this file's order,
+# so one device call of at most 10 minutes can take a few of them.
 # Runs the `gpu`-marked tests, then every benchmark of bench/ (each issue's GPU figures); each
 # step's log and JSON land in OUT_DIR and a failing step does not stop the next; each step is
 # capped at STEP_TIMEOUT seconds (default 900). Set TRITON_CACHE_DIR to a kept folder: fla
@@ -8,27 +10,30 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/bench-$(date +%Y%m%d-%H%M)}
+shift $(( $# > 0 ? 1 : 0 ))
+only=" $* "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
 step() {
     local name=$1
     shift
+    [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
     echo "=== $name"
     timeout "${STEP_TIMEOUT:-900}" "$@" 2>&1 | tee "$out/$name.log"
     local rc=${PIPESTATUS[0]}
     [[ $rc -eq 0 ]] || { echo "=== $name failed (exit $rc)"; status=1; }
 }
-step gpu_tests python -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600
-step kda python bench/kda.py --out "$out/kda.json"
-step moe python bench/moe.py --out "$out/moe.json"
-step router_precision python bench/router_precision.py --out "$out/router_precision.json"
-step long_context python bench/long_context.py --out "$out/long_context.json"
-step compile python bench/compile.py --out "$out/compile.json"
-step train_step python bench/step.py --out "$out/step.json"
-step plan_validate python -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
-step float8_grouped python bench/float8_training.py --check-grouped-gemm
-step float8_training python bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
-step generate python bench/generate.py --out "$out/generate.json"
+step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600
+step kda python3 bench/kda.py --out "$out/kda.json"
+step moe python3 bench/moe.py --out "$out/moe.json"
+step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
+step long_context python3 bench/long_context.py --out "$out/long_context.json"
+step compile python3 bench/compile.py --out "$out/compile.json"
+step train_step python3 bench/step.py --out "$out/step.json"
+step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
+step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
+step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
+step generate python3 bench/generate.py --out "$out/generate.json"
 echo "results in $out"
 exit $status
