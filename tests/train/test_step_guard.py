@@ -7,6 +7,7 @@ Reference for a skip: a skipped step leaves no trace, so (NaN step, step on x) m
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +97,8 @@ def test_non_finite_weights_are_named_and_refused():
 # --- The trainer: tiny debug model, CPU, one process ---------------------------------------------
 
 
-def _train(dump: Path, data: Path, *args: str, nan_steps: str = "") -> tuple[int, str]:
+def _train(dump: Path, data: Path, *args: str, nan_steps: str = "", nan_ranks: str = "",
+           n_proc: int = 1) -> tuple[int, str]:
     """(exit status, stdout + stderr) of a 4-step run of the tiny debug model."""
     tiny = [
         "--job.config_file", "configs/debug.toml", "--job.dump_folder", str(dump),
@@ -106,11 +108,15 @@ def _train(dump: Path, data: Path, *args: str, nan_steps: str = "") -> tuple[int
         "--training.steps", "4", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
         "--training.device", "cpu", "--experimental.custom_import", "tests.train.nan_loss",
     ]
+    launcher = [sys.executable, "-m", "titan_moe.train"]
+    if n_proc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={n_proc}", "-m", "titan_moe.train"]
     run = subprocess.run(
-        [sys.executable, "-m", "titan_moe.train", *tiny, *args],
+        [*launcher, *tiny, *args],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin", "HOME": str(dump),
-             "PYTHONPATH": str(REPO), "NAN_STEPS": nan_steps},
+        env={"OMP_NUM_THREADS": str(2 // n_proc), "PATH": "/usr/bin:/bin", "HOME": str(dump),
+             "PYTHONPATH": str(REPO), "NAN_STEPS": nan_steps, "NAN_RANKS": nan_ranks},
     )
     return run.returncode, run.stdout + run.stderr
 
@@ -138,6 +144,15 @@ def test_trainer_skips_a_nan_step_and_a_bad_document_and_counts_both(tmp_path, c
     assert math.isnan(losses[2]) and all(math.isfinite(losses[s]) for s in (1, 3, 4))
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
     assert checkpoints == ["step-2", "step-4"]
+
+
+def test_data_parallel_ranks_skip_together(tmp_path, corpus):
+    # Only rank 1's loss is NaN; rank 0 sees a finite loss and must skip the step with it.
+    status, log = _train(tmp_path, corpus, "--training.skip_bad_documents",
+                         "--checkpoint.no_enable", nan_steps="2", nan_ranks="1", n_proc=2)
+    assert status == 0, log[-4000:]
+    losses = re.findall(r"step 2: non-finite loss or grad norm \(loss (\S+) on this rank", log)
+    assert sorted(math.isnan(float(loss)) for loss in losses) == [False, True], log[-4000:]
 
 
 def test_trainer_stops_after_n_non_finite_steps_naming_the_step(tmp_path, corpus):
