@@ -56,7 +56,8 @@ class FiniteStepGuard:
         self.grad_norm: torch.Tensor | None = None
         self._optimizer_step = optimizers.step
         optimizers.step = self.optimizer_step
-        # Process-wide, as torchtitan's train_step looks it up in its module: one trainer a process.
+        # Process-wide (train_step looks it up in torchtitan's module): the newest trainer's guard
+        # takes it over, so trainers of one process (context stages) must run one at a time.
         tt_dist_utils.clip_grad_norm_ = self.clip_grad_norm_
 
     def begin(self, step: int) -> None:
