@@ -10,9 +10,10 @@ Precedence is torchtitan's: CLI (`--titan_moe.n_layers 4`) > TOML (`[titan_moe] 
 > flavor. Every bad input raises one `ConfigError` whose message is a single line naming the
 offending key; `parse_job_config_or_exit` prints it and exits 2. Checked here: the config file
 exists and parses, sections and keys exist (the message lists the allowed keys), values have the
-field's type, `training.seq_len` is a multiple of the KDA chunk, the model args accept the
-overrides, the profiler schedule fits, `compile.passes` names known passes on the Inductor
-backend, and the processes per node fit the devices.
+field's type, `training.seq_len` is a multiple of the KDA chunk, an explicit dataset path holds
+readable, non-empty data files, the model args accept the overrides, the profiler schedule fits,
+`compile.passes` names known passes on the Inductor backend, and the processes per node fit the
+devices.
 Run `python -m titan_moe.config --job.config_file F [--section.key value ...]` to check only.
 """
 
@@ -78,6 +79,12 @@ class Training(tt_config.Training):
     loss_chunk: int = 0
     """Positions per chunk of the chunked LM-head cross-entropy (titan_moe/chunked_loss.py), so
     the [T, vocab] logits never exist whole; 0: the full-logits loss."""
+    max_consecutive_skipped_steps: int = 3
+    """A step whose loss or grad norm is not finite is skipped (no optimizer step, counted as
+    train/skipped_steps); this many in a row stop the run (titan_moe/step_guard.py)."""
+    skip_bad_documents: bool = False
+    """Skip and count (data/skipped_documents) documents that cannot be read (invalid JSON, no
+    text field, not UTF-8) instead of stopping at the first with its file:line."""
 
 
 @dataclass
@@ -114,6 +121,15 @@ class Float8:
     """Float8 rowwise grouped GEMMs for the routed experts (torchao MoE training, sm90+)."""
     emulate: bool = False
     """Emulated float8 (tests on CPU): numerics of float8 without float8 hardware."""
+
+
+def _check_reliability(training: Training) -> None:
+    if training.max_consecutive_skipped_steps < 1:
+        raise ConfigError("training.max_consecutive_skipped_steps must be >= 1, got "
+                          f"{training.max_consecutive_skipped_steps}")
+    if training.skip_bad_documents and training.image_data:
+        raise ConfigError("training.skip_bad_documents supports text-only training; set "
+                          "training.image_data = '' or skip_bad_documents = false")
 
 
 def _check_loss_chunk(job_config: Any) -> None:
@@ -451,6 +467,7 @@ def _check_semantics(job_config: Any) -> None:
     _check_profiling(job_config.profiling, device_type)
     _check_scale(job_config, device_type)
     _check_compile(job_config)
+    _check_reliability(job_config.training)
     _check_data(job_config)
     _check_eval(job_config)
     _check_loss_chunk(job_config)
@@ -480,7 +497,7 @@ def _check_data(job_config: Any) -> None:
         config = getattr(job_config, section)
         try:
             check_data_source(config.dataset, config.dataset_path, section)
-        except FileNotFoundError as e:
+        except OSError as e:
             raise ConfigError(str(e)) from None
 
 

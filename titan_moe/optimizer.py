@@ -30,6 +30,11 @@ class LoadBalancing:
             metrics.update(balancer.step())
         self.metrics = metrics
 
+    def discard(self) -> None:
+        """Drop the statistics of a step whose optimizer step was skipped (step_guard.py)."""
+        for balancer in self.balancers:
+            balancer.discard()
+
 
 def attach_load_balancing(optimizers: OptimizersContainer, balancers: Sequence[Any]) -> None:
     """Register the balancers' step after each optimizer step; expose them to the metrics."""

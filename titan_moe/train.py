@@ -10,6 +10,10 @@ there is no meaningful peak on CPU), peak memory (CUDA allocator, or process RSS
 `moe/*` from Quantile Balancing, and histograms of the relative expert load (load / mean load)
 and of the QB biases. `[profiling] enable_profiling = true` writes Chrome/Perfetto traces.
 
+A step whose loss or grad norm is not finite is skipped and counted (`train/skipped_steps`);
+`training.max_consecutive_skipped_steps` in a row stop the run, and no checkpoint is saved from
+non-finite weights (step_guard.py).
+
 `training.loss_chunk` > 0: the loss is the chunked LM-head cross-entropy (chunked_loss.py), the
 [T, vocab] logits are never whole. `parallelism.context_parallel_degree` = cp > 1: each rank of a
 cp group trains on its contiguous slab of the group's rows (context_parallel.shard_batch); the
@@ -42,6 +46,7 @@ from titan_moe.config import MODEL_NAME, parse_job_config_or_exit
 from titan_moe.context_parallel import shard_batch
 from titan_moe.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
 from titan_moe.platform import PlatformTrainer, resolve_device_type, use_platform
+from titan_moe.step_guard import FiniteStepGuard, check_finite_weights
 
 
 class TitanMoEMetricsProcessor(MetricsProcessor):
@@ -51,8 +56,9 @@ class TitanMoEMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.peak_flops = self.gpu_peak_flops if math.isfinite(self.gpu_peak_flops) else None
         self.histogram_writer = _tensorboard_writer(self.logger)
-        # The training dataset, when it counts things worth logging (images read / skipped).
-        self.data_stats: Any = None
+        # Objects whose stats() counters are logged: the training dataset (images read / skipped,
+        # bad documents skipped) and the step guard (skipped steps).
+        self.counters: list[Any] = []
 
     def log(
         self,
@@ -88,8 +94,8 @@ class TitanMoEMetricsProcessor(MetricsProcessor):
             metrics["mfu(%)"] = 100 * tflops * 1e12 / self.peak_flops
             mfu = f"  mfu: {metrics['mfu(%)']:.2f}%"
         metrics.update(extra_metrics or {})
-        if hasattr(self.data_stats, "stats"):
-            metrics.update(self.data_stats.stats())
+        for counter in self.counters:
+            metrics.update(counter.stats())
         balancing = getattr(self.optimizers, "load_balancing", None)
         if balancing is not None:
             metrics.update(balancing.metrics)
@@ -186,7 +192,14 @@ class TitanMoETrainer(PlatformTrainer):
         if job_config.model.name == MODEL_NAME:
             register_titan_moe()
         super().__init__(job_config)
-        self.metrics_processor.data_stats = getattr(self.dataloader, "dataset", None)
+        self.step_guard = FiniteStepGuard(
+            self.optimizers, job_config.training.max_consecutive_skipped_steps)
+        dataset = getattr(self.dataloader, "dataset", None)
+        self.metrics_processor.counters = [
+            c for c in (dataset, self.step_guard) if hasattr(c, "stats")]
+        # torchtitan's train() calls checkpointer.save after every step; it saves when due.
+        self._save_checkpoint = self.checkpointer.save
+        self.checkpointer.save = self.save_checkpoint
         self.last_batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         self.head = getattr(self.model_parts[0], "output", None)
         if job_config.training.loss_chunk:
@@ -208,11 +221,21 @@ class TitanMoETrainer(PlatformTrainer):
         self.last_batch = (input_dict, labels)
         step = super().forward_backward_step
         if not self.job_config.training.loss_chunk:
-            return step(input_dict=input_dict, labels=labels, **kwargs)
-        with hidden_from_head(self.head):
-            return step(input_dict=input_dict, labels=labels, **kwargs)
+            loss = step(input_dict=input_dict, labels=labels, **kwargs)
+        else:
+            with hidden_from_head(self.head):
+                loss = step(input_dict=input_dict, labels=labels, **kwargs)
+        self.step_guard.add_loss(loss)
+        return loss
+
+    def save_checkpoint(self, curr_step: int, last_step: bool = False) -> None:
+        """torchtitan's checkpointer.save, refusing non-finite weights when it would save."""
+        if self.checkpointer._should_save(curr_step, last_step):
+            check_finite_weights(self.model_parts, curr_step)
+        self._save_checkpoint(curr_step, last_step)
 
     def train_step(self, data_iterator) -> None:
+        self.step_guard.begin(self.step)
         super().train_step(data_iterator)
         evaluation = getattr(self.job_config, "multimodal_eval", None)
         if evaluation is not None and evaluation.freq and self.step % evaluation.freq == 0:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from titan_moe.data.corpus import iter_documents, list_data_files, resolve_split
+from titan_moe.data.corpus import BadDocument, iter_documents, list_data_files, resolve_split
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_text_field_and_missing_field(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"content": "x", "text": "y"}\n{"text": "z"}\n')
     assert [t for _, t in iter_documents([path], "text")] == ["y", "z"]
-    with pytest.raises(KeyError, match=r"d\.jsonl:2 has no field 'content'"):
+    with pytest.raises(BadDocument, match=r"d\.jsonl:2: has no field 'content'"):
         list(iter_documents([path], "content"))
 
 

@@ -92,6 +92,14 @@ def test_padding_is_excluded():
     )
 
 
+def test_nan_scores_fall_into_the_first_bin():
+    # A diverged step's NaN scores must not become an out-of-range scatter index (the trainer
+    # skips that step and drops its histogram).
+    scores = torch.tensor([[0.2, float("nan"), 0.7], [float("nan")] * 3])
+    hist = qb_histogram(scores, torch.tensor([0.5, float("nan")]), torch.zeros(3), n_bins=10)
+    assert hist[:, 0].tolist() == [1, 2, 1] and hist.sum() == 6
+
+
 def _router_counts(router: Router) -> tuple[int, int]:
     return int(router.qb_hist.sum()), int(router.expert_load.sum())
 

@@ -81,6 +81,9 @@ class FakeBalancer:
         self.expert_load = torch.arange(1.0, N_FAKE_EXPERTS + 1).unsqueeze(0)
         return {"moe/max_violation": 1.0 / self.steps}
 
+    def discard(self) -> None:
+        """Nothing accumulates between steps."""
+
 
 def build_smoke_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
     optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)

@@ -121,6 +121,32 @@ def test_missing_data_path_names_the_field(tmp_path):
     assert "training.dataset='c4_test' is not a local dataset" in message
 
 
+def test_empty_dataset_folder_is_one_error_line_before_start(tmp_path, capsys):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as info:
+        parse_job_config_or_exit(["--training.dataset_path", str(folder)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: training.dataset_path={str(folder)!r}: no .jsonl/.parquet/.txt files found "
+        f"under {folder}"
+    ]
+    (folder / "a.jsonl").touch()
+    assert error_of(["--training.dataset_path", str(folder)]) == (
+        f"training.dataset_path={str(folder)!r}: all 1 data files are empty")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.max_consecutive_skipped_steps", "0"],
+     "training.max_consecutive_skipped_steps must be >= 1, got 0"),
+    (["--training.skip_bad_documents", "--training.image_data", "digits"],
+     "training.skip_bad_documents supports text-only training; set training.image_data = '' or "
+     "skip_bad_documents = false"),
+])
+def test_reliability_fields_are_validated(argv, message):
+    assert error_of(argv) == message
+
+
 def test_profiler_schedule_must_fit():
     message = error_of(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
     window = "profiler_warmup + profiler_active = 4"

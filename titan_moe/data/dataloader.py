@@ -8,8 +8,12 @@ holds the tokens already read but not yet emitted, so loading a saved position c
 exact batch sequence. Infinite loaders loop over the corpus in the same order every epoch;
 finite loaders (validation) pad the last partial window and restart from the beginning on the
 next pass. Batches are ``({"input": [B, T] int64, "doc_ids": [B, T] int32}, labels [B, T])``.
+A bad document (``corpus.BadDocument``) stops the loader with its file:line, or with
+``skip_bad_documents`` is skipped with a warning and counted (``data/skipped_documents``, which
+the trainer logs; with dataloader workers each worker counts its own and the trainer sees none).
 """
 
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -21,8 +25,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
 
-from titan_moe.data.corpus import iter_documents, list_data_files, resolve_split
+from titan_moe.data.corpus import BadDocument, iter_documents, list_data_files, resolve_split
 from titan_moe.data.packing import DocumentPacker, window_sample
 from titan_moe.data.pystdlib import prepare_pystdlib
 
@@ -48,6 +53,7 @@ class PackedTextDataset(IterableDataset, Stateful):
         shuffle_windows: int = 0,
         seed: int = 0,
         min_doc_tokens: int = 0,
+        skip_bad_documents: bool = False,
     ):
         self.files = files
         self.tokenizer = tokenizer
@@ -68,6 +74,8 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.shuffle_windows = shuffle_windows
         self.shuffle_buffer: list[tuple[torch.Tensor, ...]] = []
         self.rng = torch.Generator().manual_seed(seed + dp_rank)
+        self.on_bad = self._skip_bad if skip_bad_documents else None
+        self.skipped_documents = 0
 
     def _shard(self) -> tuple[int, int]:
         worker = get_worker_info()
@@ -84,7 +92,8 @@ class PackedTextDataset(IterableDataset, Stateful):
         while True:
             whole_pass, kept = self.docs_read == 0, 0
             start = shard + self.docs_read * n_shards
-            for _, text in iter_documents(self.files, self.text_field, start, n_shards):
+            documents = iter_documents(self.files, self.text_field, start, n_shards, self.on_bad)
+            for _, text in documents:
                 tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)
                 self.docs_read += 1
                 if len(tokens) < self.min_doc_tokens:
@@ -109,11 +118,21 @@ class PackedTextDataset(IterableDataset, Stateful):
                 )
             if whole_pass and kept == 0:
                 raise ValueError(
-                    f"training.min_doc_tokens = {self.min_doc_tokens}: no document of data shard "
-                    f"{shard} is that long; lower it"
+                    f"no document of data shard {shard} is usable: {self.skipped_documents} bad, "
+                    f"the rest shorter than training.min_doc_tokens = {self.min_doc_tokens}"
                 )
             self.epoch += 1
             self.docs_read = 0
+
+    def _skip_bad(self, error: BadDocument) -> None:
+        # The skipped document keeps its place in the stream, so the resume position counts it.
+        self.docs_read += 1
+        self.skipped_documents += 1
+        logger.warning(f"skipping bad document {error} ({self.skipped_documents} skipped so far)")
+
+    def stats(self) -> dict[str, float]:
+        """Counters the trainer logs: bad documents skipped (this rank)."""
+        return {"data/skipped_documents": self.skipped_documents}
 
     def _shuffled(self, window: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         """Put a window into the shuffle buffer; once it is full, take a random one out."""
@@ -133,6 +152,7 @@ class PackedTextDataset(IterableDataset, Stateful):
             "docs_read": self.docs_read,
             "shuffle_buffer": [list(w) for w in self.shuffle_buffer],
             "rng": self.rng.get_state(),
+            "skipped_documents": self.skipped_documents,
             **self.packer.state_dict(),
         }
 
@@ -142,17 +162,35 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.shuffle_buffer = [tuple(w) for w in state_dict.get("shuffle_buffer", [])]
         if "rng" in state_dict:
             self.rng.set_state(state_dict["rng"])
+        self.skipped_documents = state_dict.get("skipped_documents", 0)
         self.packer.load_state_dict(state_dict)
 
 
+SPLITS = {"training": "train", "validation": "val"}
+
+
 def check_data_source(name: str, path: str | None, section: str) -> None:
-    """Raise FileNotFoundError naming the config field unless the data can be found or built."""
+    """Raise OSError naming the config field unless the data can be found or built.
+
+    An explicit path must hold data files of the section's split, readable and not all empty.
+    """
     if path:
         if not Path(path).exists():
             raise FileNotFoundError(
                 f"{section}.dataset_path={path!r} does not exist; point it at a .jsonl / "
                 ".parquet / .txt file or a folder of them"
             )
+        try:
+            files = list_data_files(resolve_split(path, SPLITS[section]))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{section}.dataset_path={path!r}: {e}") from None
+        unreadable = [f for f in files if not os.access(f, os.R_OK)]
+        if unreadable:
+            raise PermissionError(f"{section}.dataset_path={path!r}: cannot read {unreadable[0]}"
+                                  f" ({len(unreadable)} unreadable files)")
+        if all(f.stat().st_size == 0 for f in files):
+            raise FileNotFoundError(f"{section}.dataset_path={path!r}: all {len(files)} data "
+                                    "files are empty")
     elif name not in LOCAL_DATASETS:
         raise FileNotFoundError(
             f"{section}.dataset_path is not set and {section}.dataset={name!r} is not a local "
@@ -177,7 +215,6 @@ def resolve_data_path(name: str, path: str | None, section: str) -> Path:
 
 def _build(
     section: str,
-    split: str,
     dp_world_size: int,
     dp_rank: int,
     tokenizer: BaseTokenizer | None,
@@ -189,7 +226,7 @@ def _build(
     config = getattr(job_config, section)
     path = resolve_data_path(config.dataset, config.dataset_path, section)
     dataset = PackedTextDataset(
-        list_data_files(resolve_split(path, split)),
+        list_data_files(resolve_split(path, SPLITS[section])),
         tokenizer,
         seq_len=config.seq_len,
         dp_rank=dp_rank,
@@ -198,6 +235,7 @@ def _build(
         text_field=getattr(config, "dataset_text_field", "text"),
         shuffle_windows=getattr(config, "shuffle_windows", 0) if infinite else 0,
         min_doc_tokens=getattr(config, "min_doc_tokens", 0),
+        skip_bad_documents=getattr(config, "skip_bad_documents", False),
         seed=job_config.debug.seed or 0,
     )
     return ParallelAwareDataloader(
@@ -216,7 +254,7 @@ def build_dataloader(
     infinite: bool = True,
 ) -> ParallelAwareDataloader:
     """TrainSpec ``build_dataloader_fn``: ``training.*`` config, the ``train`` split."""
-    return _build("training", "train", dp_world_size, dp_rank, tokenizer, job_config, infinite)
+    return _build("training", dp_world_size, dp_rank, tokenizer, job_config, infinite)
 
 
 def build_validation_dataloader(
@@ -227,4 +265,4 @@ def build_validation_dataloader(
     infinite: bool = False,
 ) -> ParallelAwareDataloader:
     """The validation loader: ``validation.*`` config, the ``val`` split."""
-    return _build("validation", "val", dp_world_size, dp_rank, tokenizer, job_config, infinite)
+    return _build("validation", dp_world_size, dp_rank, tokenizer, job_config, infinite)

@@ -50,7 +50,10 @@ def qb_histogram(
     n_tokens, n_experts = scores.shape
     lo, hi = qb_range(bias)
     r = cutoff.float().unsqueeze(-1) - scores.float()
-    bins = ((r - lo) * (n_bins / (hi - lo))).floor().clamp(0, n_bins - 1).to(torch.int64)
+    # NaN scores (a diverged step, which the trainer then skips) go to bin 0 as in the Triton
+    # kernel, instead of becoming an out-of-range index.
+    bins = ((r - lo) * (n_bins / (hi - lo))).floor().nan_to_num(0.0).clamp(0, n_bins - 1)
+    bins = bins.to(torch.int64)
     flat = bins + torch.arange(n_experts, device=scores.device).mul(n_bins)
     if valid is None:
         counts = torch.ones_like(flat, dtype=torch.int32)
@@ -168,6 +171,11 @@ class QuantileBalancer:
             return qb_bias_exact(scores, router.expert_bias, router.top_k, valid)
         lo, hi = qb_range(router.expert_bias)
         return qb_bias_from_histogram(hist, lo, hi, router.top_k)
+
+    def discard(self) -> None:
+        """Clear the accumulators without updating any bias (a skipped, non-finite step)."""
+        for router in self.routers:
+            router.reset_qb_stats()
 
     @torch.no_grad()
     def step(self) -> dict[str, float]:

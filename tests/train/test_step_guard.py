@@ -1,0 +1,172 @@
+"""Finite-or-stop training: a non-finite step is skipped and counted, N in a row stop the run,
+and no checkpoint is written from non-finite weights.
+
+Reference for a skip: a skipped step leaves no trace, so (NaN step, step on x) must equal
+(step on x) exactly: the same weights, Adam state and Quantile Balancing bias.
+"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed import utils as tt_dist_utils
+
+from titan_moe.model.quantile_balance import QuantileBalancer
+from titan_moe.model.router import Router
+from titan_moe.optimizer import attach_load_balancing
+from titan_moe.step_guard import FiniteStepGuard, NonFiniteError, check_finite_weights
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class RoutedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = Router(dim=8, n_experts=4, top_k=2)
+        self.router.init_weights(0.5)
+        self.proj = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights = self.router(x)
+        return weights.sum() + self.proj(x).sum()
+
+
+def _guarded(monkeypatch, max_consecutive: int = 3) -> tuple[RoutedLinear, FiniteStepGuard]:
+    # The guard stands in for torchtitan's clip_grad_norm_; monkeypatch puts it back after.
+    monkeypatch.setattr(tt_dist_utils, "clip_grad_norm_", tt_dist_utils.clip_grad_norm_)
+    model = RoutedLinear()
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 0.1, "foreach": False})
+    attach_load_balancing(optimizers, [QuantileBalancer(model)])
+    return model, FiniteStepGuard(optimizers, max_consecutive)
+
+
+def _step(model: RoutedLinear, guard: FiniteStepGuard, step: int, x: torch.Tensor,
+          nan: bool = False) -> None:
+    """One training step in torchtitan's order: loss, backward, clip, optimizer step."""
+    guard.begin(step)
+    loss = model(x) * (math.nan if nan else 1.0)
+    loss.backward()
+    guard.add_loss(loss)
+    tt_dist_utils.clip_grad_norm_(list(model.parameters()), 1.0)
+    guard.optimizers.step()
+
+
+def test_a_nan_step_is_skipped_without_trace(monkeypatch):
+    x1, x2 = torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(1))
+    skipping, guard = _guarded(monkeypatch)
+    _step(skipping, guard, 1, x1, nan=True)
+    assert guard.stats() == {"train/skipped_steps": 1}
+    assert all(p.grad is None or not p.grad.any() for p in skipping.parameters())
+    assert not skipping.router.qb_hist.any() and not skipping.router.expert_bias.any()
+    _step(skipping, guard, 2, x2)
+    reference, reference_guard = _guarded(monkeypatch)
+    _step(reference, reference_guard, 1, x2)
+    assert guard.stats() == {"train/skipped_steps": 1} and guard.consecutive == 0
+    assert skipping.router.expert_bias.any()  # the finite step did apply Quantile Balancing
+    torch.testing.assert_close(skipping.router.expert_bias, reference.router.expert_bias,
+                               rtol=0, atol=0)
+    for (name, p), q in zip(skipping.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_consecutive_nan_steps_stop_naming_the_step(monkeypatch):
+    model, guard = _guarded(monkeypatch, max_consecutive=2)
+    x = torch.randn(32, 8)
+    _step(model, guard, 5, x, nan=True)
+    with pytest.raises(NonFiniteError, match=r"^step 6: 2 steps in a row with a non-finite loss"):
+        _step(model, guard, 6, x, nan=True)
+
+
+def test_non_finite_weights_are_named_and_refused():
+    model = RoutedLinear()
+    check_finite_weights([model], 7)
+    with torch.no_grad():
+        model.proj.weight[0, 3] = math.inf
+    with pytest.raises(NonFiniteError, match=r"checkpoint of step 7: proj\.weight \(and 0 more"):
+        check_finite_weights([model], 7)
+
+
+# --- The trainer: tiny debug model, CPU, one process ---------------------------------------------
+
+
+def _train(dump: Path, data: Path, *args: str, nan_steps: str = "", nan_ranks: str = "",
+           n_proc: int = 1) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of a 4-step run of the tiny debug model."""
+    tiny = [
+        "--job.config_file", "configs/debug.toml", "--job.dump_folder", str(dump),
+        "--titan_moe.n_layers", "3", "--titan_moe.mla_layers", "3",
+        "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.shuffle_windows", "0", "--training.dataset_path", str(data),
+        "--training.steps", "4", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+        "--training.device", "cpu", "--experimental.custom_import", "tests.train.nan_loss",
+    ]
+    launcher = [sys.executable, "-m", "titan_moe.train"]
+    if n_proc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={n_proc}", "-m", "titan_moe.train"]
+    run = subprocess.run(
+        [*launcher, *tiny, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"OMP_NUM_THREADS": str(2 // n_proc), "PATH": "/usr/bin:/bin", "HOME": str(dump),
+             "PYTHONPATH": str(REPO), "NAN_STEPS": nan_steps, "NAN_RANKS": nan_ranks},
+    )
+    return run.returncode, run.stdout + run.stderr
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """60 documents of 40 words; line 3 is not JSON."""
+    line = json.dumps({"text": " ".join(["def f(x): return x"] * 8)}) + "\n"
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(line * 2 + '{"text": "unterminated\n' + line * 58)
+    return path
+
+
+def test_trainer_skips_a_nan_step_and_a_bad_document_and_counts_both(tmp_path, corpus,
+                                                                    scalars_of):
+    status, log = _train(tmp_path, corpus, "--training.skip_bad_documents",
+                         "--checkpoint.interval", "2", nan_steps="2")
+    assert status == 0, log[-4000:]
+    assert "step 2: non-finite loss or grad norm (loss nan" in log
+    assert f"skipping bad document {corpus}:3: invalid JSON" in log
+    (tb,) = (tmp_path / "tb").iterdir()
+    assert scalars_of(tb, "train/skipped_steps") == [(1, 0), (2, 1), (3, 1), (4, 1)]
+    assert scalars_of(tb, "data/skipped_documents")[-1] == (4, 1)
+    losses = dict(scalars_of(tb, "loss_metrics/global_avg_loss"))
+    assert math.isnan(losses[2]) and all(math.isfinite(losses[s]) for s in (1, 3, 4))
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert checkpoints == ["step-2", "step-4"]
+
+
+def test_data_parallel_ranks_skip_together(tmp_path, corpus):
+    # Only rank 1's loss is NaN; rank 0 sees a finite loss and must skip the step with it.
+    status, log = _train(tmp_path, corpus, "--training.skip_bad_documents",
+                         "--checkpoint.no_enable", nan_steps="2", nan_ranks="1", n_proc=2)
+    assert status == 0, log[-4000:]
+    losses = re.findall(r"step 2: non-finite loss or grad norm \(loss (\S+) on this rank", log)
+    assert sorted(math.isnan(float(loss)) for loss in losses) == [False, True], log[-4000:]
+
+
+def test_trainer_stops_after_n_non_finite_steps_naming_the_step(tmp_path, corpus):
+    # lr 1e300 is inf in fp32: step 1's update makes the weights non-finite, every later loss NaN.
+    status, log = _train(tmp_path, corpus, "--training.skip_bad_documents",
+                         "--optimizer.lr", "1e300", "--training.max_consecutive_skipped_steps", "2",
+                         "--checkpoint.no_enable")
+    assert status != 0
+    assert "NonFiniteError: step 3: 2 steps in a row with a non-finite loss" in log, log[-4000:]
+
+
+def test_trainer_refuses_a_checkpoint_of_non_finite_weights(tmp_path, corpus):
+    status, log = _train(tmp_path, corpus, "--training.skip_bad_documents",
+                         "--optimizer.lr", "1e300", "--checkpoint.interval", "1")
+    assert status != 0
+    assert "NonFiniteError: refusing to save the checkpoint of step 1: " in log, log[-4000:]
+    assert not (tmp_path / "checkpoint").exists()
