@@ -30,6 +30,7 @@ from timing import timed
 from compile_passes.inspect import inspect_compile
 from compile_passes.kda_gate_cumsum_fusion import _search as gate_then_chunk_cumsum
 from compile_passes.registry import PASS_NAMES, inductor_options
+from titan_moe.cli_args import in_range, non_negative, positive
 from titan_moe.model.args import get_flavor
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.situ_glu import SiTUGLU
@@ -114,12 +115,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: debug widths, 2 x 64 "
                         "tokens, fp32, one timed iteration")
     parser.add_argument("--flavor", default="proxy", choices=("debug", "proxy", "full"))
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--sources", type=int, default=5, help="AttnRes sources (2..9)")
+    parser.add_argument("--batch", type=positive, default=1)
+    parser.add_argument("--seq-len", type=positive, default=4096)
+    parser.add_argument("--sources", type=in_range(int, 2, 9), default=5,
+                        help="AttnRes sources (2..9)")
     parser.add_argument("--passes", nargs="+", default=list(PASS_NAMES), choices=PASS_NAMES)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=non_negative, default=3)
+    parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--out", type=Path, default=Path("compile.json"))
     opts = parser.parse_args(argv)
     if opts.tiny:

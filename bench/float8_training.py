@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from float8 import convert_dense_linears, convert_routed_experts
+from titan_moe.cli_args import non_negative, positive, positive_float
 from titan_moe.config import Float8
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
@@ -147,18 +148,19 @@ def check_grouped_gemm(alignment: int = 16) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the timing")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--steps", type=positive, default=300)
+    parser.add_argument("--warmup", type=non_negative, default=20,
+                        help="steps left out of the timing")
+    parser.add_argument("--batch", type=positive, default=2)
+    parser.add_argument("--seq-len", type=positive, default=4096)
+    parser.add_argument("--lr", type=positive_float, default=6e-4)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--recipe", default="rowwise",
                         choices=["rowwise", "tensorwise", "rowwise_with_gw_hp"])
-    parser.add_argument("--filter-min-size", type=int, default=1024)
+    parser.add_argument("--filter-min-size", type=non_negative, default=1024)
     parser.add_argument("--compile", action="store_true", help="compile as training does")
     parser.add_argument("--ac", action="store_true", help="full activation checkpointing")
-    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--log-every", type=positive, default=25)
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny model, emulated float8")
     parser.add_argument("--check-grouped-gemm", action="store_true")
     parser.add_argument("--out", type=Path)

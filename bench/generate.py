@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from titan_moe.cli_args import positive
 from titan_moe.generate import Sampling, Session
 from titan_moe.model.args import apply_overrides, get_flavor
 from titan_moe.model.model import TitanMoE
@@ -37,9 +38,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--lengths", default="1024,8192,32768,131072")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--prefill-chunk", type=int, default=8192)
+    p.add_argument("--batch", type=positive, default=1)
+    p.add_argument("--decode-tokens", type=positive, default=32)
+    p.add_argument("--prefill-chunk", type=positive, default=8192)
     p.add_argument("--out")
     a = p.parse_args()
     args = apply_overrides(get_flavor(a.flavor), dict(TINY) if a.tiny else {})

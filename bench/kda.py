@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from timing import timed
 
+from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.ops.kda import CHUNK_SIZE, chunk_kda, chunk_kda_fused_gate
@@ -163,8 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shapes", default=ISSUE_SHAPES, help="B,T,H,D;...")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=non_negative, default=3)
+    parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--layer-memory", default=LAYER_LENGTHS,
                         help="T values for the layer memory table ('' to skip; CUDA only)")

@@ -25,6 +25,7 @@ from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from titan_moe.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
+from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 
@@ -110,15 +111,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run: debug flavor, 2 layers")
     parser.add_argument("--flavor", default="proxy")
-    parser.add_argument("--n-layers", type=int, default=None)
+    parser.add_argument("--n-layers", type=positive, default=None)
     parser.add_argument("--lengths", default=None,
                         help=f"comma-separated sequence lengths (default {LENGTHS}; --tiny: "
                              f"{TINY_LENGTHS})")
-    parser.add_argument("--doc-len", type=int, default=65536, help="tokens per document")
-    parser.add_argument("--loss-chunk", type=int, default=CHUNK,
+    parser.add_argument("--doc-len", type=positive, default=65536, help="tokens per document")
+    parser.add_argument("--loss-chunk", type=positive, default=CHUNK,
                         help="positions per chunk of the loss (training.loss_chunk)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=1)
+    parser.add_argument("--warmup", type=non_negative, default=1)
+    parser.add_argument("--iters", type=positive, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.tiny:

@@ -25,6 +25,7 @@ import torch
 from timing import timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
+from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import qb_histogram
 from titan_moe.model.router import Router
@@ -103,11 +104,11 @@ def bench_routing(tokens, experts, k, d, device, warmup, iters) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--tokens", type=positive, default=16384)
     parser.add_argument("--shapes", default=ISSUE_SHAPES, help="d,hidden,E,k;...")
     parser.add_argument("--route-shape", default="16384,896,16,7168", help="T,E,k,d")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=non_negative, default=3)
+    parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"

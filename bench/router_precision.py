@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from report import write_json
 from timing import timed
 
+from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.router import Router
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU: debug flavor, seq 256")
     parser.add_argument("--flavor", default="proxy", choices=("debug", "proxy"))
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--seq-len", type=positive, default=4096)
     parser.add_argument("--gemm-shape", default="16384,7168,896", help="T,d,E")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=non_negative, default=3)
+    parser.add_argument("--iters", type=positive, default=20)
     parser.add_argument("--out", type=Path, default=Path("router_precision.json"))
     opts = parser.parse_args(argv)
     if opts.smoke:

@@ -33,6 +33,7 @@ from report import write_json
 from timing import timed, top_device_time
 
 from compile_passes.registry import PASS_NAMES
+from titan_moe.cli_args import non_negative, positive, positive_float
 from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_document
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
@@ -50,18 +51,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CPU: debug flavor cut to 2 layers "
                         "at toy width, seq 64, batch 2, one timed step per row")
     parser.add_argument("--flavor", default="proxy", choices=("debug", "proxy"))
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--doc-len", type=int, default=2048, help="text rows: tokens a document")
+    parser.add_argument("--seq-len", type=positive, default=4096)
+    parser.add_argument("--batch", type=positive, default=1)
+    parser.add_argument("--doc-len", type=positive, default=2048,
+                        help="text rows: tokens a document")
     parser.add_argument("--modes", nargs="+", default=[*MODES, ANCHOR], choices=[*MODES, ANCHOR],
                         help=f"{ANCHOR}: text rows only, proxy flavor or --smoke")
     parser.add_argument("--inputs", nargs="+", default=["text", "multimodal"],
                         choices=("text", "multimodal"))
-    parser.add_argument("--min-side", type=int, default=112, help="multimodal: image side, px")
-    parser.add_argument("--max-side", type=int, default=896)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    parser.add_argument("--min-side", type=positive, default=112, help="multimodal: image side, px")
+    parser.add_argument("--max-side", type=positive, default=896)
+    parser.add_argument("--warmup", type=non_negative, default=2)
+    parser.add_argument("--iters", type=positive, default=5)
+    parser.add_argument("--peak-tflops", type=positive_float, default=H200_BF16_DENSE_TFLOPS)
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: the 15 largest device-time entries of one step per row")
     parser.add_argument("--out", type=Path, default=Path("step.json"))

@@ -12,8 +12,9 @@ offending key; `parse_job_config_or_exit` prints it and exits 2. Checked here: t
 exists and parses, sections and keys exist (the message lists the allowed keys), values have the
 field's type, `training.seq_len` is a multiple of the KDA chunk, an explicit dataset path holds
 readable, non-empty data files, the model args accept the overrides, the profiler schedule fits,
-`compile.passes` names known passes on the Inductor backend, and the processes per node fit the
-devices.
+step counts, rates and intervals are in range, the parallel degrees fit the process count and the
+global batch (torchtitan's ParallelDims rules), `compile.passes` names known passes on the
+Inductor backend, and the processes per node fit the devices.
 Run `python -m titan_moe.config --job.config_file F [--section.key value ...]` to check only.
 """
 
@@ -130,6 +131,67 @@ def _check_reliability(training: Training) -> None:
     if training.skip_bad_documents and training.image_data:
         raise ConfigError("training.skip_bad_documents supports text-only training; set "
                           "training.image_data = '' or skip_bad_documents = false")
+
+
+# At least these values; torchtitan asserts on, divides by or silently misuses anything less.
+_MINIMUMS = {
+    ("training", "steps"): 1,
+    ("training", "local_batch_size"): 1,
+    ("lr_scheduler", "warmup_steps"): 0,
+    ("metrics", "log_freq"): 1,
+    ("checkpoint", "interval"): 1,
+    ("optimizer", "lr"): 0,
+}
+
+
+def _check_numbers(job_config: Any) -> None:
+    for (section, key), low in _MINIMUMS.items():
+        value = getattr(getattr(job_config, section), key)
+        if value < low:
+            raise ConfigError(f"{section}.{key} must be >= {low}, got {value}")
+    if job_config.training.max_norm <= 0:
+        raise ConfigError(f"training.max_norm must be > 0, got {job_config.training.max_norm}")
+    ratio = job_config.lr_scheduler.decay_ratio
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise ConfigError(f"lr_scheduler.decay_ratio must be None or in [0, 1], got {ratio}")
+
+
+_DEGREES = ("data_parallel_replicate_degree", "data_parallel_shard_degree",
+            "context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree")
+
+
+def _check_parallel_dims(job_config: Any, world_size: int, source: str) -> None:
+    """The rules of torchtitan's ParallelDims._validate and its mesh and batch arithmetic."""
+    parallelism, training = job_config.parallelism, job_config.training
+    dp_rep, dp_shard, cp, tp, pp = (getattr(parallelism, name) for name in _DEGREES)
+    ep, etp = parallelism.expert_parallel_degree, parallelism.expert_tensor_parallel_degree
+    for name in (*_DEGREES, "expert_parallel_degree", "expert_tensor_parallel_degree"):
+        value = getattr(parallelism, name)
+        if value < 1 and not (name == "data_parallel_shard_degree" and value == -1):
+            allowed = "-1 (the rest of the processes) or >= 1" if "shard" in name else ">= 1"
+            raise ConfigError(f"parallelism.{name} must be {allowed}, got {value}")
+    if dp_shard == -1:
+        dp_shard = world_size // (dp_rep * cp * tp * pp)
+    if dp_rep * dp_shard * cp * tp * pp != world_size:
+        raise ConfigError(
+            "parallelism.data_parallel_replicate_degree x data_parallel_shard_degree x "
+            "context_parallel_degree x tensor_parallel_degree x pipeline_parallel_degree = "
+            f"{dp_rep} x {parallelism.data_parallel_shard_degree} x {cp} x {tp} x {pp} must "
+            f"equal the process count {source}={world_size}")
+    if ep > 1 and etp not in (1, tp):
+        raise ConfigError(f"parallelism.expert_tensor_parallel_degree must be 1 or "
+                          f"tensor_parallel_degree = {tp} with expert parallelism, got {etp}")
+    if (dp_shard * cp * tp) % (ep * etp):
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree x expert_tensor_parallel_degree = {ep} x {etp} "
+            f"must divide data_parallel_shard_degree x context_parallel_degree x "
+            f"tensor_parallel_degree = {dp_shard} x {cp} x {tp}")
+    per_step = training.local_batch_size * dp_rep * dp_shard
+    batch = training.global_batch_size
+    if batch == 0 or (batch > 0 and batch % per_step):
+        raise ConfigError(
+            f"training.global_batch_size must be -1 (no accumulation) or a positive multiple of "
+            f"training.local_batch_size x the data-parallel degree = {per_step}, got {batch}")
 
 
 def _check_loss_chunk(job_config: Any) -> None:
@@ -459,6 +521,7 @@ def _check_semantics(job_config: Any) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     n_processes = _check_process_count(device_type)
+    _check_numbers(job_config)
     checkpoint = job_config.checkpoint
     if checkpoint.create_seed_checkpoint and (n_processes != 1 or not checkpoint.enable):
         raise ConfigError(
@@ -474,6 +537,9 @@ def _check_semantics(job_config: Any) -> None:
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
     _check_context_parallel(job_config, _vision(job_config, flavor_args))
+    # WORLD_SIZE spans the nodes under torchrun; run_train.sh checks before it, one node of NGPU.
+    world_source = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "NGPU"
+    _check_parallel_dims(job_config, int(os.environ.get("WORLD_SIZE", n_processes)), world_source)
     seq_lens = [("training.seq_len", job_config.training.seq_len)]
     if job_config.validation.enable:
         seq_lens.append(("validation.seq_len", job_config.validation.seq_len))
@@ -487,6 +553,11 @@ def _check_semantics(job_config: Any) -> None:
         flavor_args.update_from_config(job_config)
     except ValueError as e:
         raise ConfigError(str(e).replace("\n", " ")) from None
+    ep = job_config.parallelism.expert_parallel_degree
+    n_experts = getattr(flavor_args, "n_experts", 1)  # another train spec may have no experts
+    if n_experts % ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} must divide n_experts = {n_experts}")
 
 
 def _check_data(job_config: Any) -> None:

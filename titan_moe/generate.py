@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titan_moe.cli_args import in_range, positive
 from titan_moe.model.args import ConfigError, TitanMoEArgs, apply_overrides, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import CHUNK_SIZE
@@ -264,12 +265,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--config", help="the training TOML (flavor and [titan_moe] overrides)")
     parser.add_argument("--flavor", help="model flavor, overriding the config's")
     parser.add_argument("--tokenizer", help="tokenizer JSON (default: the flavor's asset)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=positive, default=64)
+    parser.add_argument("--temperature", type=in_range(float, 0), default=1.0)
+    parser.add_argument("--top-p", type=in_range(float, 0, 1, open_low=True), default=1.0)
     parser.add_argument("--stop", action="append", default=[],
                         help="stop token (a vocabulary entry such as <|eos|>); eos by default")
-    parser.add_argument("--prefill-chunk", type=int, default=1024)
+    parser.add_argument("--prefill-chunk", type=positive, default=1024)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)

@@ -37,6 +37,7 @@ from unittest import mock
 
 import torch
 
+from titan_moe.cli_args import positive, positive_float
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import moe as moe_module
@@ -337,11 +338,12 @@ def validate(cfg: PlanConfig, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a titan_moe TOML")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs of the layouts to print")
-    parser.add_argument("--gpu-mem", type=float, default=141.0, help="GB per GPU (H200: 141)")
+    parser.add_argument("--gpus", type=positive, default=8, help="GPUs of the layouts to print")
+    parser.add_argument("--gpu-mem", type=positive_float, default=141.0,
+                        help="GB per GPU (H200: 141)")
     parser.add_argument("--validate", action="store_true",
                         help="measure the config's peak on one CUDA GPU against the plan")
-    parser.add_argument("--steps", type=int, default=3, help="training steps for --validate")
+    parser.add_argument("--steps", type=positive, default=3, help="training steps for --validate")
     parser.add_argument("--out", type=Path, help="write the result as JSON")
     ns = parser.parse_args(argv)
     try:

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def one_process(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("NGPU", "1")
 
 
@@ -147,6 +148,55 @@ def test_reliability_fields_are_validated(argv, message):
     assert error_of(argv) == message
 
 
+DEGREE_PRODUCT = ("parallelism.data_parallel_replicate_degree x data_parallel_shard_degree x "
+                  "context_parallel_degree x tensor_parallel_degree x pipeline_parallel_degree = ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.steps", "0"], "training.steps must be >= 1, got 0"),
+    (["--training.steps", "-3"], "training.steps must be >= 1, got -3"),
+    (["--training.local_batch_size", "0"], "training.local_batch_size must be >= 1, got 0"),
+    (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0, got -1"),
+    (["--metrics.log_freq", "0"], "metrics.log_freq must be >= 1, got 0"),
+    (["--checkpoint.interval", "0"], "checkpoint.interval must be >= 1, got 0"),
+    (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0, got -1.0"),
+    (["--training.max_norm", "0"], "training.max_norm must be > 0, got 0.0"),
+    (["--lr_scheduler.decay_ratio", "2"],
+     "lr_scheduler.decay_ratio must be None or in [0, 1], got 2.0"),
+    (["--parallelism.data_parallel_shard_degree", "3"],
+     DEGREE_PRODUCT + "1 x 3 x 1 x 1 x 1 must equal the process count NGPU=2"),
+    (["--parallelism.data_parallel_replicate_degree", "4"],
+     DEGREE_PRODUCT + "4 x -1 x 1 x 1 x 1 must equal the process count NGPU=2"),
+    (["--parallelism.data_parallel_shard_degree", "0"],
+     "parallelism.data_parallel_shard_degree must be -1 (the rest of the processes) or >= 1, "
+     "got 0"),
+    (["--parallelism.tensor_parallel_degree", "0"],
+     "parallelism.tensor_parallel_degree must be >= 1, got 0"),
+    (["--training.global_batch_size", "6"],
+     "training.global_batch_size must be -1 (no accumulation) or a positive multiple of "
+     "training.local_batch_size x the data-parallel degree = 16, got 6"),
+])
+def test_out_of_range_numbers_and_degrees_are_one_line(monkeypatch, argv, message):
+    monkeypatch.setenv("NGPU", "2")
+    assert error_of(["--training.device", "cpu", *argv]) == message
+
+
+def test_degrees_are_checked_against_world_size_under_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cpu = ["--training.device", "cpu"]
+    parse_job_config([*cpu, "--parallelism.data_parallel_shard_degree", "4"])
+    assert error_of([*cpu, "--parallelism.data_parallel_shard_degree", "2"]).endswith(
+        "1 x 2 x 1 x 1 x 1 must equal the process count WORLD_SIZE=4")
+    assert error_of([*cpu, "--parallelism.expert_parallel_degree", "3"]).startswith(
+        "parallelism.expert_parallel_degree x expert_tensor_parallel_degree = 3 x 1 must divide")
+
+
+def test_expert_degree_must_divide_the_experts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert error_of(["--training.device", "cpu", "--parallelism.expert_parallel_degree", "3"]) == (
+        "parallelism.expert_parallel_degree = 3 must divide n_experts = 16")
+
+
 def test_profiler_schedule_must_fit():
     message = error_of(["--profiling.enable_profiling", "--profiling.profile_freq", "2"])
     window = "profiler_warmup + profiler_active = 4"
@@ -201,6 +251,15 @@ def test_run_train_sh_errors_are_one_line(tmp_path):
     assert bad_key.stderr.splitlines() == [
         "error: training.seq_len must be a positive multiple of the KDA chunk (64), got 100"
     ], bad_key.stderr
+    env["NGPU"] = "2"  # torchtitan's ParallelDims would assert inside torchrun
+    bad_degree = subprocess.run(
+        ["./run_train.sh", "--training.device", "cpu", "--parallelism.data_parallel_shard_degree",
+         "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert bad_degree.returncode == 2
+    assert bad_degree.stderr.splitlines() == [
+        f"error: {DEGREE_PRODUCT}1 x 3 x 1 x 1 x 1 must equal the process count NGPU=2"
+    ], bad_degree.stderr
 
 
 def test_train_entrypoint_exits_2_on_bad_type(monkeypatch, capsys):
