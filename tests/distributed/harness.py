@@ -178,4 +178,5 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
             results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # see titan_moe.train.run: no rank tears gloo down while its peer still works
     dist.destroy_process_group()
