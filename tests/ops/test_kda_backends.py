@@ -49,9 +49,9 @@ def test_documents_become_fla_sequences(seed):
 def test_row_states_seed_each_rows_first_sequence():
     doc = random_docs(3, 64, 0)
     state = torch.randn(3, 2, 4, 4)
-    per_seq = _per_sequence(state, doc)
-    _, row_first, _ = _sequences(doc)
-    assert per_seq.shape[0] == _sequences(doc)[0].numel() - 1
+    cu_seqlens, row_first, _ = _sequences(doc)
+    per_seq = _per_sequence(state, row_first, cu_seqlens)
+    assert per_seq.shape[0] == cu_seqlens.numel() - 1
     for n in range(per_seq.shape[0]):
         rows = (row_first == n).nonzero().flatten().tolist()
         want = state[rows[0]] if rows else torch.zeros_like(state[0])

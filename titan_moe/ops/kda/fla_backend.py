@@ -58,10 +58,9 @@ def _flat(x: Tensor | None, varlen: bool) -> Tensor | None:
     return x.reshape(1, -1, *x.shape[2:]) if x is not None and varlen else x
 
 
-def _varlen_args(doc: Tensor | None, prepare_chunk_indices) -> dict:
-    if doc is None:
+def _varlen_args(cu_seqlens: Tensor | None, prepare_chunk_indices) -> dict:
+    if cu_seqlens is None:
         return dict(cu_seqlens=None, chunk_indices=None)
-    cu_seqlens, _, _ = _sequences(doc)
     return dict(cu_seqlens=cu_seqlens, chunk_indices=prepare_chunk_indices(cu_seqlens, CHUNK))
 
 
@@ -70,13 +69,11 @@ def _gate_args(A_log: Tensor | None, dt_bias: Tensor | None, g_min: float) -> di
                 A_log=A_log, dt_bias=dt_bias)
 
 
-def _per_sequence(state: Tensor | None, doc: Tensor | None) -> Tensor | None:
-    """Row states [B,H,K,V] -> fla's per-sequence states [N,H,K,V] (each row's first one)."""
-    if state is None or doc is None:
-        return state
-    cu_seqlens, row_first, _ = _sequences(doc)
+def _per_sequence(state: Tensor, rows: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Row states [B,H,K,V] -> fla's per-sequence states [N,H,K,V], row b's at sequence rows[b]
+    (its first or last one), zero elsewhere."""
     out = state.new_zeros(cu_seqlens.numel() - 1, *state.shape[1:])
-    return out.index_copy(0, row_first, state)
+    return out.index_copy(0, rows, state)
 
 
 @torch.library.custom_op("titan_moe::fla_kda_fwd", mutates_args=(), device_types="cuda")
@@ -98,14 +95,18 @@ def fla_kda_fwd(
     empty: the gate's chunk cumsum, kept for the backward when the gate is precomputed)."""
     fwd, _, prepare_chunk_indices = _require_fla()
     varlen = doc is not None
+    # One host sync (nonzero) for the document layout, shared by everything below.
+    cu_seqlens, row_first, row_last = _sequences(doc) if varlen else (None, None, None)
+    if initial_state is not None and varlen:
+        initial_state = _per_sequence(initial_state, row_first, cu_seqlens)
     o, final, g_cumsum, A_qk, A_kk, *_ = fwd(
         q=_flat(q, varlen), k=_flat(k, varlen), v=_flat(v, varlen), g=_flat(g, varlen),
-        beta=_flat(beta, varlen), scale=scale, initial_state=_per_sequence(initial_state, doc),
+        beta=_flat(beta, varlen), scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=CHUNK,
-        **_varlen_args(doc, prepare_chunk_indices), **_gate_args(A_log, dt_bias, g_min),
+        **_varlen_args(cu_seqlens, prepare_chunk_indices), **_gate_args(A_log, dt_bias, g_min),
     )  # fmt: skip
     if output_final_state and varlen:
-        final = final[_sequences(doc)[2]]
+        final = final[row_last]
     final = final.float() if output_final_state else q.new_empty(0, dtype=torch.float32)
     g_cumsum = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum.view(g.shape)
     return (o.view(v.shape).to(q.dtype), final, A_qk.view(*k.shape[:3], CHUNK),
@@ -148,23 +149,23 @@ def fla_kda_bwd(
     _, bwd, prepare_chunk_indices = _require_fla()
     varlen = doc is not None
     fused = A_log is not None
-    dht = d_final
-    if d_final is not None and varlen:
-        _, _, row_last = _sequences(doc)
-        dht = _per_sequence(torch.zeros_like(d_final), doc).index_copy(0, row_last, d_final)
+    cu_seqlens, row_first, row_last = _sequences(doc) if varlen else (None, None, None)
+    h0, dht = initial_state, d_final
+    if varlen:
+        h0 = None if h0 is None else _per_sequence(h0, row_first, cu_seqlens)
+        dht = None if dht is None else _per_sequence(dht, row_last, cu_seqlens)
     dq, dk, dv, dbeta, dg, dh0, dA_log, d_dt_bias = bwd(
         q=_flat(q, varlen), k=_flat(k, varlen), v=_flat(v, varlen), beta=_flat(beta, varlen),
-        Aqk=_flat(A_qk, varlen), Akk=_flat(A_kk, varlen), scale=scale,
-        initial_state=_per_sequence(initial_state, doc), do=_flat(do, varlen), dht=dht,
+        Aqk=_flat(A_qk, varlen), Akk=_flat(A_kk, varlen), scale=scale, initial_state=h0,
+        do=_flat(do, varlen), dht=dht,
         g=None if fused else _flat(g_cumsum, varlen), g_org=_flat(g, varlen) if fused else None,
-        chunk_size=CHUNK, **_varlen_args(doc, prepare_chunk_indices),
+        chunk_size=CHUNK, **_varlen_args(cu_seqlens, prepare_chunk_indices),
         **_gate_args(A_log, dt_bias, g_min),
     )  # fmt: skip
     if initial_state is None:
         d_initial = q.new_empty(0, dtype=torch.float32)
     else:
-        d_initial = dh0[_sequences(doc)[1]] if varlen else dh0
-        d_initial = d_initial.to(initial_state.dtype)
+        d_initial = (dh0[row_first] if varlen else dh0).to(initial_state.dtype)
     empty = q.new_empty(0, dtype=torch.float32)
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype), dg.view(g.shape).to(g.dtype),

@@ -64,8 +64,8 @@ def qb_route_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
-    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
-    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, the weights
+    # would be computed in fp64 and rounded once, not bit-equal to the fp32 reference.
     route_scale = tl.cast(route_scale, tl.float32)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
