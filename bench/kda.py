@@ -9,7 +9,10 @@ kernels (ours: `chunk_kda_fused_gate`; fla: `use_gate_in_kernel=True`). It repor
 Kimi Linear's count per head, 6TD² + 3TCD + TC² for the forward (C = 64), tripled for
 forward+backward; GB/s of the compulsory traffic (inputs read once, outputs written once) and
 that as a share of the measured device-copy bandwidth (the roofline); the speed-up over fla;
-the peak memory of forward+backward. Then (--layer-memory) the peak memory of one proxy-sized
+the peak memory of forward+backward. --doc-len N splits every row into documents of N tokens,
+the model's layout (the state restarts at each; fla's kernels then run varlen); fla's own
+`chunk_kda` has no such input, so with --doc-len only our entry points run (both backends).
+Then (--layer-memory) the peak memory of one proxy-sized
 KDA layer's forward+backward against T. Prints tables, writes JSON.
 fla's first call at a new shape autotunes for minutes: keep ~/.triton/cache between runs.
 """
@@ -20,6 +23,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from report import environment
 from timing import timed
 
 from titan_moe.cli_args import non_negative, positive
@@ -50,6 +54,13 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def documents(b: int, t: int, doc_len: int, device: str) -> torch.Tensor | None:
+    """[B, T] document index, a new document every doc_len tokens (None for doc_len 0)."""
+    if not doc_len:
+        return None
+    return (torch.arange(t, device=device) // doc_len).to(torch.int32).expand(b, -1).contiguous()
+
+
 def inputs(b, t, h, d, device, dtype, fused):
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -65,16 +76,18 @@ def inputs(b, t, h, d, device, dtype, fused):
     return [x.requires_grad_() for x in (q, k, v, g, beta, *gate)]
 
 
-def bench(impl: Callable, shape, device, dtype, fused, warmup, iters, bandwidth) -> dict:
+def bench(impl: Callable, shape, device, dtype, fused, warmup, iters, bandwidth,
+          doc_len: int) -> dict:
     tensors = inputs(*shape, device, dtype, fused)
     grad = torch.randn_like(tensors[2])
+    doc = {} if not doc_len else {"doc_ids": documents(shape[0], shape[1], doc_len, device)}
 
     def fwd():
         with torch.no_grad():
-            impl(*tensors)
+            impl(*tensors, **doc)
 
     def fwd_bwd():
-        impl(*tensors)[0].backward(grad)
+        impl(*tensors, **doc)[0].backward(grad)
 
     fwd_ms = timed(fwd, device, warmup, iters)
     if device == "cuda":
@@ -104,17 +117,19 @@ def fla_impls() -> dict[str, Callable]:
     return {"fla": plain, "fla_fused": fused}
 
 
-def ours_plain(q, k, v, g, beta):
-    return chunk_kda(q, k, v, g, beta, backend="triton")
+def ours_plain(q, k, v, g, beta, doc_ids=None):
+    return chunk_kda(q, k, v, g, beta, doc_ids=doc_ids, backend="triton")
 
 
-def ours_fused(q, k, v, g_raw, beta, A_log, dt_bias):
-    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN, backend="triton")
+def ours_fused(q, k, v, g_raw, beta, A_log, dt_bias, doc_ids=None):
+    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN, doc_ids=doc_ids,
+                                backend="triton")
 
 
-def fla_op_fused(q, k, v, g_raw, beta, A_log, dt_bias):
+def fla_op_fused(q, k, v, g_raw, beta, A_log, dt_bias, doc_ids=None):
     """fla's kernels through our custom ops (the model's `kda_backend = "fla"`)."""
-    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN, backend="fla")
+    return chunk_kda_fused_gate(q, k, v, g_raw, A_log, dt_bias, beta, G_MIN, doc_ids=doc_ids,
+                                backend="fla")
 
 
 def layer_memory(lengths: list[int], device: str) -> list[dict]:
@@ -167,6 +182,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=non_negative, default=3)
     parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
+    parser.add_argument("--doc-len", type=non_negative, default=0,
+                        help="tokens a document (0: one document a row); our entry points only")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="time only these rows (titan_moe, fla, titan_moe_fused, fla_fused, "
+                             "fla_op_fused)")
     parser.add_argument("--layer-memory", default=LAYER_LENGTHS,
                         help="T values for the layer memory table ('' to skip; CUDA only)")
     parser.add_argument("--profile", action="store_true",
@@ -182,6 +202,13 @@ def main() -> None:
                  "fla_op_fused": (fla_op_fused, True)}
     else:
         print("note: fla-core (CUDA) not used here; timing ours only")
+    if opts.doc_len:  # fla's own chunk_kda takes cu_seqlens, not a [B, T] document index
+        impls = {k: v for k, v in impls.items() if k not in ("fla", "fla_fused")}
+    if opts.impls:
+        unknown = set(opts.impls) - set(impls)
+        if unknown:
+            parser.error(f"--impls: {sorted(unknown)} not available here; allowed {list(impls)}")
+        impls = {k: v for k, v in impls.items() if k in opts.impls}
     bandwidth = copy_bandwidth(opts.device)
     print(f"measured copy bandwidth (roofline): {bandwidth:.0f} GB/s")
     rows = []
@@ -190,7 +217,8 @@ def main() -> None:
     for text in opts.shapes.split(";"):
         shape = tuple(int(v) for v in text.split(","))
         for name, (impl, fused) in impls.items():
-            r = bench(impl, shape, opts.device, dtype, fused, opts.warmup, opts.iters, bandwidth)
+            r = bench(impl, shape, opts.device, dtype, fused, opts.warmup, opts.iters, bandwidth,
+                      opts.doc_len)
             rows.append({"impl": name, "shape": shape, **r})
             print(f"{name:<16} {shape[0]:>2} {shape[1]:>6} {shape[2]:>3} {shape[3]:>4} "
                   f"{r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>8.3f} {r['fwd_tflops']:>9.2f} "
@@ -213,8 +241,8 @@ def main() -> None:
     memory = []
     if opts.device == "cuda" and opts.layer_memory:
         memory = layer_memory([int(t) for t in opts.layer_memory.split(",")], opts.device)
-    result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
-              "torch": torch.__version__, "dtype": str(dtype), "copy_gbps": bandwidth,
+    result = {"environment": environment(), "dtype": str(dtype), "copy_gbps": bandwidth,
+              "doc_len": opts.doc_len,
               "rows": rows, "speedups": speedups, "layer_memory": memory,
               "kernel_profiles": profiles}
     with open(opts.out, "w") as f:

@@ -5,7 +5,8 @@ on the multimodal batch (vision tower included), against torchtitan's own DeepSe
     python bench/step.py --smoke               # CPU: tiny debug-flavor model, fp32, one step each
 
 Each row times one AdamW step of a freshly built, seeded model (forward, cross entropy, backward,
-optimizer; median of --iters after --warmup, the first of which compiles). The compiled modes
+optimizer; median of --iters after --warmup, the first of which compiles and is reported as
+first_step_s). The compiled modes
 compile as training does (titan_moe/parallelize.py's apply_compile: per sublayer and ViT
 block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass.
 `torchtitan` (text, proxy flavor or --smoke) is the anchor: torchtitan 0.2.2's deepseek_v3 at the
@@ -24,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import anchor_deepseek
@@ -149,14 +151,19 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     torch._dynamo.reset()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ms = timed(step, device, opts.warmup, opts.iters)
+    start = time.perf_counter()
+    step()  # the first step: compiles in the compiled modes
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - start
+    ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
     profile = top_device_time(step, ms) if opts.profile and device == "cuda" else []
     n_tokens = batch["input"].numel()
     n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
     tflops = flops * n_tokens / (ms * 1e-3) / 1e12
     return {
         "inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
-        "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms,
+        "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms, "first_step_s": first_step_s,
         "tokens_per_s": n_tokens / (ms * 1e-3), "image_patches": n_patches,
         "patches_per_s": n_patches / (ms * 1e-3), "tflops": tflops,
         "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
@@ -175,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # a text-only model
             with anchor_deepseek.row_scope(device) if mode == ANCHOR else contextlib.nullcontext():
                 rows.append(bench_one(opts, inputs, mode, device))
+            r = rows[-1]
+            print(f"done: {inputs} {mode} {r['ms']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
+                  f"{r['tflops']:.1f} TFLOPS, first step {r['first_step_s']:.0f} s", flush=True)
+            write_json(opts.out, opts, rows)  # a row kept even if a later row is cut short
             if device == "cuda":
                 torch.cuda.empty_cache()  # the row's model and optimizer are gone: free them
     eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager"}
