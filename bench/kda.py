@@ -209,6 +209,13 @@ def main() -> None:
         if unknown:
             parser.error(f"--impls: {sorted(unknown)} not available here; allowed {list(impls)}")
         impls = {k: v for k, v in impls.items() if k in opts.impls}
+    def save(rows, speedups=None, memory=(), profiles=None) -> None:
+        result = {"environment": environment(), "dtype": str(dtype), "copy_gbps": bandwidth,
+                  "doc_len": opts.doc_len, "rows": rows, "speedups": speedups or {},
+                  "layer_memory": list(memory), "kernel_profiles": profiles or {}}
+        with open(opts.out, "w") as f:
+            json.dump(result, f, indent=2)
+
     bandwidth = copy_bandwidth(opts.device)
     print(f"measured copy bandwidth (roofline): {bandwidth:.0f} GB/s")
     rows = []
@@ -224,6 +231,7 @@ def main() -> None:
                   f"{r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>8.3f} {r['fwd_tflops']:>9.2f} "
                   f"{r['fwd_bwd_tflops']:>9.2f} {r['fwd_bwd_gbps']:>9.0f} "
                   f"{r['roofline_share']:>5.2f} {r['peak_gib']:>9.2f}", flush=True)
+            save(rows)  # each row kept even if a later one (fla autotuning) runs out of time
     profiles = {}
     if opts.profile and opts.device == "cuda":
         for text in opts.shapes.split(";"):
@@ -241,12 +249,7 @@ def main() -> None:
     memory = []
     if opts.device == "cuda" and opts.layer_memory:
         memory = layer_memory([int(t) for t in opts.layer_memory.split(",")], opts.device)
-    result = {"environment": environment(), "dtype": str(dtype), "copy_gbps": bandwidth,
-              "doc_len": opts.doc_len,
-              "rows": rows, "speedups": speedups, "layer_memory": memory,
-              "kernel_profiles": profiles}
-    with open(opts.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save(rows, speedups, memory, profiles)
     print(f"wrote {opts.out}")
 
 

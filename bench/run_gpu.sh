@@ -25,6 +25,7 @@ step() {
     [[ $rc -eq 0 ]] || { echo "=== $name failed (exit $rc)"; status=1; }
 }
 step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600
+step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
 step kda python3 bench/kda.py --out "$out/kda.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"

@@ -117,12 +117,17 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_with_state(x, cache, valid)
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
-        q = F.silu(self.sequence_conv(self.w_q(x), self.conv_q, doc_ids)).view(shape)
+        q = self.w_q(x)
+        # The recurrence takes its inputs in the projections' dtype (bf16 under autocast), not
+        # the residual stream's (fp32 under autocast): the kernels compute in fp32 either way,
+        # but fp32 inputs select IEEE fp32 GEMMs, several times slower and minutes to compile.
+        act = q.dtype
+        q = F.silu(self.sequence_conv(q, self.conv_q, doc_ids)).view(shape)
         k = F.silu(self.sequence_conv(self.w_k(x), self.conv_k, doc_ids)).view(shape)
-        v = F.silu(self.sequence_conv(self.w_v(x), self.conv_v, doc_ids)).view(shape)
-        wide = torch.promote_types(x.dtype, torch.float32)
-        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
-        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
+        v = F.silu(self.sequence_conv(self.w_v(x), self.conv_v, doc_ids)).view(shape).to(act)
+        wide = torch.promote_types(act, torch.float32)
+        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(act)
+        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(act)
         beta = torch.sigmoid(self.w_beta(x).to(wide))
         g_raw = self.w_f_up(self.w_f_down(x)).view(shape)
         o, _ = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
@@ -146,9 +151,10 @@ class KimiDeltaAttention(nn.Module):
         mixed = F.silu(causal_depthwise_conv(window, weight)[:, taps:])
         state.conv = last_valid(window, valid, taps)
         q, k, v = (z.reshape(shape) for z in mixed.chunk(3, -1))
-        wide = torch.promote_types(x.dtype, torch.float32)
-        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(x.dtype)
-        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(x.dtype)
+        act = qkv.dtype  # the projections' dtype, as in forward
+        wide = torch.promote_types(act, torch.float32)
+        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(act)
+        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(act)
         beta = torch.where(mask, torch.sigmoid(self.w_beta(x).to(wide)), 0.0)
         g = kda_gate(self.w_f_up(self.w_f_down(x)).view(shape), self.A_log, self.dt_bias,
                      self.g_min)

@@ -30,7 +30,7 @@ def kda_gate_from_raw(g_raw, A_log_h, dt_bias_row, g_min):
 
 
 @triton.jit
-def tile_decay_factors(G, rows, i: tl.constexpr, SUBTILE: tl.constexpr):
+def tile_decay_factors(G, rows, i, SUBTILE: tl.constexpr):
     """(row factor, column factor) of row tile i, referenced at its first row n.
 
     Row factor exp(G_r - G_n) for r in the tile (0 elsewhere: those rows take no part);
@@ -51,7 +51,7 @@ def decayed_products(rows_op, cols_op, G, rows, C: tl.constexpr, SUBTILE: tl.con
                      PRECISION: tl.constexpr):
     """P[r,j] = sum_c rows_op[r,c] cols_op[j,c] exp(G_rc - G_jc) for j in or before r's tile."""
     P = tl.zeros((C, C), dtype=tl.float32)
-    for i in tl.static_range(C // SUBTILE):
+    for i in tl.range(0, C // SUBTILE, num_stages=1):
         row_factor, col_factor = tile_decay_factors(G, rows, i, SUBTILE)
         P += tl.dot(rows_op * row_factor, tl.trans(cols_op * col_factor),
                     input_precision=PRECISION)

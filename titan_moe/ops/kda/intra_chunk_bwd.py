@@ -101,7 +101,7 @@ def intra_chunk_bwd_kernel(
     dA_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], dA, 0.0), axis=1)
     dA = tl.where(strict, dA, 0.0)
 
-    for k0 in tl.static_range(0, K, BKB):
+    for k0 in tl.range(0, K, BKB, num_stages=1):
         cols_k = k0 + tl.arange(0, BKB)
         k_ok = cols_k < K
         _, d_w, _, _ = state_gradients(do, v_new, dv_new, h_states, dh_states, b, h, chunk, t0,
@@ -127,7 +127,7 @@ def intra_chunk_bwd_kernel(
     carry_ok = d_last == d_before
     if FUSED_GATE:
         A_log_h = tl.load(A_log + h).to(tl.float32)
-    for k0 in tl.static_range(0, K, BKB):
+    for k0 in tl.range(0, K, BKB, num_stages=1):
         cols_k = k0 + tl.arange(0, BKB)
         k_ok = cols_k < K
         d_qg, d_w, d_kd, d_gamma = state_gradients(
@@ -158,7 +158,7 @@ def intra_chunk_bwd_kernel(
         # diagonal goes to dq, dk alone, in fp32.
         dq_c += dA_diag[:, None] * k_c
         dk_c += dA_diag[:, None] * q_c
-        for i in tl.static_range(C // SUBTILE):
+        for i in tl.range(0, C // SUBTILE, num_stages=1):
             row_factor, col_factor = tile_decay_factors(G_c, rows, i, SUBTILE)
             dq_a = row_factor * tl.dot(dA, k_c * col_factor, input_precision=PRECISION)
             dk_a = col_factor * tl.dot(tl.trans(dA), q_c * row_factor, input_precision=PRECISION)
