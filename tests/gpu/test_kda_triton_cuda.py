@@ -35,7 +35,14 @@ CASES = {
     "B3-T333-near-zero": (3, 333, 3, 64, "near_zero", None),
     "varlen": (1, 700, 2, 128, "random", [0, 5, 64, 200, 201, 450, 700]),
     "fused-gate": (2, 300, 2, 128, "fused", None),
+    # The proxy's heads (16 x 128): fla autotunes its kernels anew at every head count, kernel
+    # variant and dtype, minutes each, so its cases share the model's and add few variants.
+    "H16-T200-random": (2, 200, 16, 128, "random", None),
+    "H16-T1000-pinned": (1, 1000, 16, 128, "pinned", None),
+    "H16-varlen": (1, 700, 16, 128, "random", [0, 5, 64, 200, 201, 450, 700]),
+    "H16-varlen-fused-gate": (1, 700, 16, 128, "fused", [0, 5, 64, 200, 201, 450, 700]),
 }
+FLA_CASES = [name for name in CASES if name.startswith("H16-")]
 
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -103,8 +110,11 @@ def ours_and_grads(name, backend="triton"):
     return o, s, torch.autograd.grad(loss(o, s), ours)
 
 
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-@pytest.mark.parametrize("name", CASES)
+BACKEND_CASES = [("triton", name) for name in CASES]
+BACKEND_CASES += [pytest.param("fla", name, marks=needs_fla) for name in FLA_CASES]
+
+
+@pytest.mark.parametrize(("backend", "name"), BACKEND_CASES)
 def test_bf16_op_matches_float64(name, backend):
     leaves, loss, initial, cu, fused = kda_case(name)
     leaves64 = [x.double().requires_grad_() for x in leaves]
@@ -118,11 +128,6 @@ def test_bf16_op_matches_float64(name, backend):
         assert rel_rms(s, s64) <= O_RMS
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert rel_rms(a, b) <= GRAD_RMS, (i, rel_rms(a, b))
-
-
-# fla compiles and autotunes for minutes per head size and kernel variant (plain, varlen, fused
-# gate); these cases cover each variant once at D = 128, plus the pinned gate.
-FLA_CASES = ["B2-T200-random", "B1-T1000-pinned", "varlen", "fused-gate"]
 
 
 @pytest.mark.parametrize("name", FLA_CASES)
@@ -142,16 +147,16 @@ def test_bf16_op_matches_fla(name):
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_opcheck_fake_tensor_and_autograd(backend):
-    q, k, v, g, beta, h0, _, _ = make_case(1, 130, 2, 64, "random")
+    q, k, v, g, beta, h0, _, _ = make_case(1, 130, 16, 128, "random")
     args = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
-    args += [None, None, None, h0, 64**-0.5, G_MIN, True]
+    args += [None, None, None, h0, 128**-0.5, G_MIN, True]
     torch.library.opcheck({"triton": chunk_kda_fwd, "fla": fla_kda_fwd}[backend], args)
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_op_compiles_fullgraph_and_matches_eager(backend):
-    """The op alone, fused gate and documents on, at a small shape: a quick compile check."""
-    q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 2, 64, "fused")
+    """The op alone, fused gate and documents on, at the proxy's heads: a quick compile check."""
+    q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 16, 128, "fused")
     leaves = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
     leaves += [A_log.requires_grad_(), dt_bias.requires_grad_()]
     doc = torch.zeros(2, 200, dtype=torch.int32, device="cuda")

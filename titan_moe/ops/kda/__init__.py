@@ -1,122 +1,30 @@
-"""Kimi Delta Attention ops: S_t = S' + beta_t k_t (v_t - S'^T k_t)^T, S' = Diag(exp(g_t)) S_{t-1}.
+"""Kimi Delta Attention ops, laid out like fla's op folders:
 
-`chunk_kda` and `chunk_kda_fused_gate` are the training entry points (fla's layout and
-semantics). On CUDA they run one of two backends that torch.compile traces with no graph break:
-`"triton"`, our Triton op (`chunk_triton.py`), or `"fla"`, fla-core's kernels behind custom ops
-(`fla_backend.py`); `"auto"` takes fla where fla-core is installed (faster on the H200 at the
-proxy shape, bench/RESULTS.md), else ours. Elsewhere, and for the cases the ops leave out, the
-plain-PyTorch chunked form (`chunk.py`). The branch is on the device, in Python, before any op
-is called: Inductor cannot compile user Triton kernels for CPU tensors.
+    naive.py            the references: the token loop and the chunked form in plain PyTorch
+    chunk.py            the entry points chunk_kda / chunk_kda_fused_gate and their CUDA backend
+    chunk_triton.py     our Triton op (titan_moe::chunk_kda_fwd/bwd) over the kernels:
+      intra_chunk.py      per-chunk matrices (A_qk, W, U) and the gate's chunk cumsum
+      state_scan.py       the state carried across chunks, forward and backward
+      chunk_output.py     O = (Gamma Q) S + A_qk V~
+      intra_chunk_bwd.py  the backward within a chunk
+    fla_backend.py      fla-core's kernels as custom ops (the "fla" backend)
+    recurrent_step.py   one token of the recurrence (decoding)
+    gate.py, varlen.py  the lower-bounded gate; documents as cu_seqlens or a [B, T] index
 """
 
-import torch
-from torch import Tensor
-
-from titan_moe.ops.kda.chunk import chunk_kda_torch
+from titan_moe.ops.kda.chunk import (
+    CHUNK_SIZE,
+    KDA_BACKENDS,
+    chunk_kda,
+    chunk_kda_fused_gate,
+    resolve_backend,
+)
 from titan_moe.ops.kda.chunk_triton import chunk_kda_triton
-from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED, chunk_kda_fla
+from titan_moe.ops.kda.fla_backend import chunk_kda_fla
 from titan_moe.ops.kda.gate import kda_gate
-from titan_moe.ops.kda.intra_chunk import CHUNK as CHUNK_SIZE
-from titan_moe.ops.kda.naive import naive_recurrent_kda
-from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
+from titan_moe.ops.kda.naive import chunk_kda_torch, naive_recurrent_kda
+from titan_moe.ops.kda.recurrent_step import recurrent_kda_step
 
 __all__ = ["CHUNK_SIZE", "KDA_BACKENDS", "chunk_kda", "chunk_kda_fla", "chunk_kda_fused_gate",
            "chunk_kda_torch", "chunk_kda_triton", "kda_gate", "naive_recurrent_kda",
-           "resolve_backend"]
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KDA_BACKENDS = ("auto", "triton", "fla")
-
-
-def resolve_backend(backend: str) -> str:
-    """"triton" or "fla" for a CUDA call; raises for an unknown name or fla without fla-core."""
-    if backend not in KDA_BACKENDS:
-        raise ValueError(f"KDA backend {backend!r}: allowed {', '.join(KDA_BACKENDS)}")
-    if backend == "auto":
-        return "fla" if FLA_INSTALLED else "triton"
-    if backend == "fla" and not FLA_INSTALLED:
-        raise ModuleNotFoundError(f"KDA backend 'fla' needs fla-core: {FLA_INSTALL_HINT}")
-    return backend
-
-
-def _cuda_kernels(backend: str):
-    return chunk_kda_fla if resolve_backend(backend) == "fla" else chunk_kda_triton
-
-
-def _use_triton(q: Tensor, cu_seqlens: Tensor | None, initial_state: Tensor | None,
-                output_final_state: bool) -> bool:
-    # Per-document initial and final states of cu_seqlens need per-document gathers inside a
-    # chunk that the op does not do; those (inference-side) calls take the PyTorch path.
-    per_doc_states = cu_seqlens is not None and (initial_state is not None or output_final_state)
-    return q.is_cuda and q.dtype in _TRITON_DTYPES and not per_doc_states
-
-
-def _documents(q: Tensor, cu_seqlens: Tensor | None, doc_ids: Tensor | None) -> Tensor | None:
-    if cu_seqlens is not None:
-        return doc_index_from_cu_seqlens(cu_seqlens, q.shape[1])[None]
-    return doc_ids
-
-
-def chunk_kda(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
-    doc_ids: Tensor | None = None,
-    backend: str = "auto",
-) -> tuple[Tensor, Tensor | None]:
-    """Chunked KDA with chunk_kda_torch's signature and semantics (fla layout, scale applied);
-    `backend` picks the CUDA kernels (KDA_BACKENDS)."""
-    # The chunk math is fp32 by design (the gate's exponent range); AMP must not recast it.
-    with torch.autocast(q.device.type, enabled=False):
-        if _use_triton(q, cu_seqlens, initial_state, output_final_state):
-            return _cuda_kernels(backend)(
-                q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
-            )  # fmt: skip
-        return chunk_kda_torch(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, doc_ids=doc_ids,
-            chunk_size=CHUNK_SIZE,
-        )  # fmt: skip
-
-
-def chunk_kda_fused_gate(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g_raw: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    beta: Tensor,
-    g_min: float = -5.0,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
-    doc_ids: Tensor | None = None,
-    backend: str = "auto",
-) -> tuple[Tensor, Tensor | None]:
-    """chunk_kda with g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) computed by the kernels.
-
-    g_raw [B,T,H,K], A_log [H], dt_bias [H*K]; on CUDA the gate, its chunk-local cumsum and
-    their gradients never leave the Triton kernels.
-    """
-    with torch.autocast(q.device.type, enabled=False):
-        if _use_triton(q, cu_seqlens, initial_state, output_final_state):
-            return _cuda_kernels(backend)(
-                q, k, v, g_raw, beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
-                A_log=A_log, dt_bias=dt_bias, g_min=g_min,
-            )  # fmt: skip
-        g = kda_gate(g_raw, A_log, dt_bias, g_min)
-        return chunk_kda_torch(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, doc_ids=doc_ids,
-            chunk_size=CHUNK_SIZE,
-        )  # fmt: skip
+           "recurrent_kda_step", "resolve_backend"]

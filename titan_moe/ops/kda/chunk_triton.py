@@ -20,11 +20,11 @@ import triton
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from titan_moe.ops.kda.chunk import validate_kda_inputs
 from titan_moe.ops.kda.chunk_output import chunk_output_kernel
 from titan_moe.ops.kda.gate import validate_gate_params
 from titan_moe.ops.kda.intra_chunk import CHUNK, SUBTILE, chunk_intra_kernel
 from titan_moe.ops.kda.intra_chunk_bwd import intra_chunk_bwd_kernel
+from titan_moe.ops.kda.naive import validate_kda_inputs
 from titan_moe.ops.kda.state_scan import state_scan_bwd_kernel, state_scan_fwd_kernel
 
 # V blocks of the scans (the sequential part runs one program per V block and head) and of
