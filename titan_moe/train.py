@@ -155,13 +155,14 @@ def titan_moe_train_spec() -> TrainSpec:
     """Our TrainSpec; imports the model, data and tokenizer modules only when called."""
     from titan_moe.data.multimodal import build_multimodal_dataloader
     from titan_moe.model.args import FLAVORS
+    from titan_moe.model.flops import CountedTitanMoEArgs
     from titan_moe.model.model import TitanMoE
     from titan_moe.parallelize import parallelize_titan_moe
     from titan_moe.tokenizer import build_tokenizer
 
     return TrainSpec(
         model_cls=TitanMoE,
-        model_args=FLAVORS,
+        model_args={name: CountedTitanMoEArgs(**vars(args)) for name, args in FLAVORS.items()},
         parallelize_fn=parallelize_titan_moe,
         pipelining_fn=None,
         build_optimizers_fn=build_optimizers_with_quantile_balancing,

@@ -1,7 +1,9 @@
 """Model arguments and the three flavors of spec §9 (debug, proxy, full).
 
 Every field can be overridden from the TOML `[titan_moe]` section; `validate()` runs at the
-boundary and raises one `ConfigError` naming the field and what is allowed.
+boundary and raises one `ConfigError` naming the field and what is allowed. torchtitan's
+parameter and FLOP count (`get_nparams_and_flops`) needs the model, so it is added in
+`flops.CountedTitanMoEArgs`, the class the TrainSpec's flavors have.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch.nn as nn
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_moe.ops.kda import KDA_BACKENDS
@@ -207,11 +208,6 @@ class TitanMoEArgs(BaseModelArgs):
         self.max_seq_len = job_config.training.seq_len
         self.vocab_size = kwargs.get("vocab_size", self.vocab_size)
         self.validate()
-
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        from titan_moe.model.flops import count_params, flops_per_token
-
-        return count_params(model, self).total, flops_per_token(self, seq_len)
 
 
 def apply_overrides(args: TitanMoEArgs, overrides: dict) -> TitanMoEArgs:
