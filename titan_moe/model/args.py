@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -278,7 +279,14 @@ VISION_FLAVORS: dict[str, VisionArgs] = {
 }
 
 
+def model_args(flavor: str, /, **overrides: Any) -> TitanMoEArgs:
+    """A copy of FLAVORS[flavor] with `overrides` (TitanMoEArgs fields; None = unset) applied,
+    validated; one ConfigError naming the field otherwise."""
+    if flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor = {flavor!r}: unknown flavor; allowed: {sorted(FLAVORS)}")
+    return apply_overrides(dataclasses.replace(FLAVORS[flavor]), overrides)
+
+
 def get_flavor(name: str) -> TitanMoEArgs:
-    if name not in FLAVORS:
-        raise ConfigError(f"model.flavor = {name!r}: unknown flavor; allowed: {sorted(FLAVORS)}")
-    return dataclasses.replace(FLAVORS[name]).validate()
+    """A flavor's validated args, unchanged."""
+    return model_args(name)
