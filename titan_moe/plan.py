@@ -42,7 +42,7 @@ from titan_moe.fp32_modules import FP32_MODULES
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import moe as moe_module
-from titan_moe.model.args import ConfigError, TitanMoEArgs, apply_overrides, get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import DecoderLayer, TitanMoE
 
 GB = 1e9
@@ -90,8 +90,7 @@ def load_plan_config(path: str) -> PlanConfig:
     with open(path, "rb") as f:
         toml = tomllib.load(f)
     model = toml.get("model", {})
-    args = get_flavor(model.get("flavor", "debug"))
-    apply_overrides(args, toml.get("titan_moe", {}))
+    args = model_args(model.get("flavor", "debug"), **toml.get("titan_moe", {}))
     training = toml.get("training", {})
     ac = toml.get("activation_checkpoint", {})
     mode = ac.get("mode", "selective")
