@@ -27,9 +27,9 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.moe import LatentMoE
-from titan_moe.model.quantile_balance import qb_histogram
 from titan_moe.model.router import Router
 from titan_moe.ops.router import qb_route
+from titan_moe.ops.router.histogram import qb_histogram
 
 ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8;3584,3072,384,16"
 TINY = {"tokens": 64, "shapes": "32,16,8,2", "route_shape": "64,16,2,32", "warmup": 1,

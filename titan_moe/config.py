@@ -38,7 +38,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
 from compile_passes.registry import PASS_NAMES, check_pass_names
-from titan_moe.model.args import ConfigError
+from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
 
 MODEL_NAME = "titan_moe"
@@ -373,6 +373,12 @@ def model_overrides(job_config: Any) -> dict[str, Any]:
     """The `[titan_moe]` fields that were set (non-None)."""
     section = getattr(job_config, MODEL_NAME)
     return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+
+
+def job_model_args(job_config: Any) -> TitanMoEArgs:
+    """The model args a titan_moe job trains: its flavor, `[titan_moe]` overrides and seq_len."""
+    return model_args(job_config.model.flavor,
+                      **{"max_seq_len": job_config.training.seq_len, **model_overrides(job_config)})
 
 
 def parse_job_config(argv: Sequence[str]) -> Any:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_moe.cli_args import in_range, positive
-from titan_moe.model.args import ConfigError, TitanMoEArgs, apply_overrides, get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import CHUNK_SIZE
 from titan_moe.tokenizer import TitanTokenizer, asset_path
@@ -216,8 +216,8 @@ def model_args_from_toml(config: str | Path | None, flavor: str | None = None) -
             raise ConfigError(f"config file not found: {path}")
         with open(path, "rb") as f:
             values = tomllib.load(f)
-    args = get_flavor(flavor or values.get("model", {}).get("flavor", "debug"))
-    return apply_overrides(args, values.get("titan_moe", {}))
+    return model_args(flavor or values.get("model", {}).get("flavor", "debug"),
+                      **values.get("titan_moe", {}))
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

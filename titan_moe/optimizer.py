@@ -9,24 +9,51 @@ gain towards 0 has no use either.
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 
 from titan_moe.model.quantile_balance import QuantileBalancer
+from titan_moe.model.router import Router
+
+
+def all_reduce_qb_stats(
+    routers: Sequence[Router], group: dist.ProcessGroup | None = None
+) -> None:
+    """Sum the routers' QB histograms and expert loads over `group`, in place, in one collective.
+
+    `group` is the ranks holding distinct tokens (not tensor-parallel replicas); None is the
+    default group. Nothing to do without routers or an initialised process group.
+    """
+    if not routers or not (dist.is_available() and dist.is_initialized()):
+        return
+    parts = [torch.cat([r.qb_hist.flatten(), r.expert_load]) for r in routers]
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for router, part in zip(routers, flat.split([p.numel() for p in parts]), strict=True):
+        n_experts = router.expert_load.numel()
+        router.qb_hist.copy_(part[:-n_experts].view_as(router.qb_hist))
+        router.expert_load.copy_(part[-n_experts:])
 
 
 class LoadBalancing:
-    """Optimizer post-step hook: run every balancer once, keep the metrics they report."""
+    """Optimizer post-step hook: sum every balancer's statistics over `dp_group`, then run it
+    once; keep the metrics they report."""
 
-    def __init__(self, balancers: Sequence[Any]) -> None:
+    def __init__(
+        self, balancers: Sequence[Any], dp_group: dist.ProcessGroup | None = None
+    ) -> None:
         self.balancers = list(balancers)
+        self.dp_group = dp_group
         self.metrics: dict[str, float] = {}
 
     def __call__(self, *_args: Any, **_kwargs: Any) -> None:
         metrics: dict[str, float] = {}
         for balancer in self.balancers:
+            all_reduce_qb_stats(balancer.routers, self.dp_group)
             metrics.update(balancer.step())
         self.metrics = metrics
 
@@ -36,9 +63,13 @@ class LoadBalancing:
             balancer.discard()
 
 
-def attach_load_balancing(optimizers: OptimizersContainer, balancers: Sequence[Any]) -> None:
+def attach_load_balancing(
+    optimizers: OptimizersContainer,
+    balancers: Sequence[Any],
+    dp_group: dist.ProcessGroup | None = None,
+) -> None:
     """Register the balancers' step after each optimizer step; expose them to the metrics."""
-    hook = LoadBalancing(balancers)
+    hook = LoadBalancing(balancers, dp_group)
     optimizers.register_step_post_hook(hook)
     optimizers.load_balancing = hook
 
@@ -56,7 +87,7 @@ def build_optimizers_with_quantile_balancing(
     # parallel ranks (torchtitan's "loss" mesh), never tensor-parallel replicas.
     loss_mesh = parallel_dims.get_optional_mesh("loss")
     dp_group = loss_mesh.get_group() if loss_mesh is not None else None
-    attach_load_balancing(optimizers, [QuantileBalancer(m, dp_group=dp_group) for m in model_parts])
+    attach_load_balancing(optimizers, [QuantileBalancer(m) for m in model_parts], dp_group)
     return optimizers
 
 

@@ -32,10 +32,10 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
 from titan_moe.context_parallel import apply_context_parallel
 from titan_moe.expert_parallel import apply_expert_parallel
-from titan_moe.model.attn_res import AttnResSite
+from titan_moe.fp32_modules import FP32_MODULES, fp32_islands
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
-from titan_moe.model.router import Router
+from titan_moe.simple_fsdp import apply_simple_fsdp
 
 # Selective op-level AC keeps these outputs and recomputes the rest (torchtitan's llama list
 # plus the grouped GEMM of the routed experts).
@@ -49,8 +49,6 @@ OP_SAC_SAVE_LIST = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops.aten.max.default,
 }
-
-FP32_MODULES = (AttnResSite, Router, nn.RMSNorm)
 
 _DEGREE_FIELD = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
                  "etp": "expert_tensor_parallel_degree"}
@@ -72,8 +70,6 @@ def parallelize_titan_moe(
     param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]
     if job_config.parallelism.sharding == "simple_fsdp":
-        from titan_moe.simple_fsdp import apply_simple_fsdp
-
         return apply_simple_fsdp(model, parallel_dims, job_config, param_dtype, reduce_dtype)
     shard = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
     if compile_model:
@@ -112,11 +108,6 @@ def _apply_float8(model: nn.Module, job_config: JobConfig) -> None:
         convert_dense_linears(model, cfg)
     if cfg.moe:
         convert_routed_experts(model, cfg)
-
-
-def fp32_islands(shard: bool, param_dtype: torch.dtype) -> bool:
-    """Whether the fp32 modules need their own FSDP units: only when sharding casts parameters."""
-    return shard and param_dtype != torch.float32
 
 
 def fsdp_units(model: TitanMoE, expert_parallel: bool, fp32: bool) -> set[nn.Module]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from titan_moe.model.args import ConfigError, TitanMoEArgs, apply_overrides, get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.flops import count_params, flops_per_token
 from titan_moe.model.model import TitanMoE
 
@@ -22,8 +22,7 @@ def args_from_toml(path: Path) -> tuple[TitanMoEArgs, int]:
         raise ConfigError(f"--config {path}: no such file")
     with path.open("rb") as f:
         cfg = tomllib.load(f)
-    args = get_flavor(cfg.get("model", {}).get("flavor", "debug"))
-    apply_overrides(args, cfg.get("titan_moe", {}))
+    args = model_args(cfg.get("model", {}).get("flavor", "debug"), **cfg.get("titan_moe", {}))
     return args, cfg.get("training", {}).get("seq_len", 8192)
 
 
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--config", type=Path, help="a training TOML file")
     opts = parser.parse_args(argv)
     try:
-        args, seq_len = (get_flavor(opts.flavor), 8192) if opts.flavor else args_from_toml(
+        args, seq_len = (model_args(opts.flavor), 8192) if opts.flavor else args_from_toml(
             opts.config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -38,12 +38,12 @@ from unittest import mock
 import torch
 
 from titan_moe.cli_args import positive, positive_float
+from titan_moe.fp32_modules import FP32_MODULES
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import moe as moe_module
-from titan_moe.model.args import ConfigError, TitanMoEArgs, apply_overrides, get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import DecoderLayer, TitanMoE
-from titan_moe.parallelize import FP32_MODULES
 
 GB = 1e9
 ACT_BYTES = 2  # bf16 activations under FSDP2's bf16 param policy
@@ -90,8 +90,7 @@ def load_plan_config(path: str) -> PlanConfig:
     with open(path, "rb") as f:
         toml = tomllib.load(f)
     model = toml.get("model", {})
-    args = get_flavor(model.get("flavor", "debug"))
-    apply_overrides(args, toml.get("titan_moe", {}))
+    args = model_args(model.get("flavor", "debug"), **toml.get("titan_moe", {}))
     training = toml.get("training", {})
     ac = toml.get("activation_checkpoint", {})
     mode = ac.get("mode", "selective")

@@ -5,7 +5,7 @@ where it is read (its gradient is reduce-scattered by the DTensor backward). Com
 graph (`compile.enable`), Inductor sees every all-gather and reduce-scatter and, with
 `parallelism.simple_fsdp_passes`, buckets and reorders them (`auto_bucketing`, or
 `transformer_block_bucketing` with one bucket per decoder layer). Eager, it is correct but
-unbucketed. The fp32 islands of parallelize.py get their own fp32 policy here too.
+unbucketed. The fp32 islands (fp32_modules.py) get their own fp32 policy here too.
 """
 
 import types
@@ -21,6 +21,7 @@ from torchtitan.experiments.simple_fsdp.simple_fsdp import (
     disable_active_parametrization,
 )
 
+from titan_moe.fp32_modules import FP32_MODULES, fp32_islands
 from titan_moe.model.model import TitanMoE
 
 
@@ -55,8 +56,6 @@ def apply_simple_fsdp(
 def shard_simple_fsdp(model: TitanMoE, mesh, mode: str, param_dtype: torch.dtype,
                       reduce_dtype: torch.dtype) -> TitanMoE:
     """SimpleFSDP's data_parallel over `mesh`, the fp32 islands first with an fp32 policy."""
-    from titan_moe.parallelize import FP32_MODULES, fp32_islands
-
     if fp32_islands(True, param_dtype):
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in [m for m in model.modules() if isinstance(m, FP32_MODULES)]:

@@ -33,16 +33,18 @@ from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
+from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, TensorBoardLogger
+from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 
 from titan_moe.chunked_loss import ChunkedCrossEntropy, hidden_from_head
-from titan_moe.config import MODEL_NAME, parse_job_config_or_exit
+from titan_moe.config import MODEL_NAME, ConfigError, job_model_args, parse_job_config_or_exit
 from titan_moe.context_parallel import shard_batch
 from titan_moe.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
 from titan_moe.platform import PlatformTrainer, resolve_device_type, use_platform
@@ -151,22 +153,42 @@ def build_metrics_processor(
     return TitanMoEMetricsProcessor(job_config, parallel_dims, tag)
 
 
+def build_dataloader(
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: BaseTokenizer | None,
+    job_config: JobConfig,
+    infinite: bool = True,
+) -> ParallelAwareDataloader:
+    """TrainSpec `build_dataloader_fn`: text, or text + images with the job's vision config."""
+    from titan_moe.data.multimodal import build_multimodal_dataloader
+
+    vision = None
+    if getattr(job_config.training, "image_data", ""):
+        vision = job_model_args(job_config).vision_config()
+        if vision is None:
+            raise ConfigError("training.image_data is set but titan_moe.vision = 'none'; "
+                              "choose a vision tower (debug, proxy, full)")
+    return build_multimodal_dataloader(dp_world_size, dp_rank, tokenizer, job_config, vision,
+                                       infinite)
+
+
 def titan_moe_train_spec() -> TrainSpec:
     """Our TrainSpec; imports the model, data and tokenizer modules only when called."""
-    from titan_moe.data.multimodal import build_multimodal_dataloader
     from titan_moe.model.args import FLAVORS
+    from titan_moe.model.flops import CountedTitanMoEArgs
     from titan_moe.model.model import TitanMoE
     from titan_moe.parallelize import parallelize_titan_moe
     from titan_moe.tokenizer import build_tokenizer
 
     return TrainSpec(
         model_cls=TitanMoE,
-        model_args=FLAVORS,
+        model_args={name: CountedTitanMoEArgs(**vars(args)) for name, args in FLAVORS.items()},
         parallelize_fn=parallelize_titan_moe,
         pipelining_fn=None,
         build_optimizers_fn=build_optimizers_with_quantile_balancing,
         build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_multimodal_dataloader,
+        build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_metrics_processor,

@@ -23,6 +23,7 @@ from titan_moe.context_parallel import shard_batch
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
+from titan_moe.optimizer import all_reduce_qb_stats
 from titan_moe.parallelize import parallelize_titan_moe
 from titan_moe.platform import use_platform
 
@@ -111,7 +112,7 @@ def train(layout: Layout, steps: int = 5) -> dict:
         if dims.dp_enabled:
             dp_rank = dims.get_mesh("batch").get_local_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
-    balancer = QuantileBalancer(model, dp_group=group)
+    balancer = QuantileBalancer(model)
     rows = GLOBAL_ROWS * layout.cp // layout.world_size
     loss_fn = ChunkedCrossEntropy(model.output, layout.loss_chunk) if layout.loss_chunk else None
     losses, biases = [], []
@@ -134,6 +135,7 @@ def train(layout: Layout, steps: int = 5) -> dict:
         tt_dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, ep_enabled=ep_enabled)
         optimizer.step()
         optimizer.zero_grad()
+        all_reduce_qb_stats(balancer.routers, group)
         balancer.step()
         total = loss_sum.detach().clone()
         if distributed:

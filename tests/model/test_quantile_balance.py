@@ -3,14 +3,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.moe import LatentMoE
-from titan_moe.model.quantile_balance import (
-    QuantileBalancer,
-    qb_bias_exact,
-    qb_bias_from_histogram,
-    qb_histogram,
-    qb_range,
-)
+from titan_moe.model.quantile_balance import QuantileBalancer, qb_bias_exact, qb_bias_from_histogram
 from titan_moe.model.router import Router
+from titan_moe.ops.router.histogram import qb_histogram, qb_range
+from titan_moe.optimizer import all_reduce_qb_stats
 
 # The histogram is binned in fp32 while the exact reference runs in float64: a value sitting on
 # a bin edge may land one bin over, so the one-bin bound gets this much slack.
@@ -287,6 +283,7 @@ def _data_parallel_worker(rank: int, world_size: int, store_path: str, out_path:
         for x, valid in _micro_batches()[rank::world_size]:
             for moe in moes:
                 moe(x, valid)
+        all_reduce_qb_stats(balancer.routers)
         metrics = balancer.step()
         torch.save({"bias": [m.router.expert_bias for m in moes], "metrics": metrics}, out_path)
     finally:

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from titan_moe.model.quantile_balance import qb_range
 from titan_moe.ops.router import qb_route, qb_route_naive
+from titan_moe.ops.router.histogram import qb_range
 
 FP32_GRAD_RTOL = 1e-6
 LOOP_WEIGHT_TOL = {torch.float32: 1e-6, torch.float64: 1e-14}  # vs the loop in Python floats

@@ -20,17 +20,25 @@ are consecutive) with their (row, column) for the 2-D RoPE.
 import json
 import math
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from titan_moe.model.args import VisionArgs
 
 Image = Path | torch.Tensor
 Document = list[str | Image]
 DIGITS = "digits"
 DIGIT_PIXELS = 56
 DIGIT_CAPTION = "a handwritten digit"
+
+
+class PatchLayout(Protocol):
+    """What the data needs of the vision tower's config (`model.args.VisionArgs` has it)."""
+
+    patch_size: int
+    merge: int
+    max_patches: int
+    window_patches: int
 
 
 class ImageLoadError(Exception):
@@ -52,7 +60,7 @@ def load_image(image: Image) -> torch.Tensor:
     return pixels.view(rgb.height, rgb.width, 3).permute(2, 0, 1).float() / 255
 
 
-def patch_grid(height: int, width: int, args: VisionArgs) -> tuple[int, int]:
+def patch_grid(height: int, width: int, args: PatchLayout) -> tuple[int, int]:
     """(rows, columns) of patches for an image: even, native-sized, at most max_patches."""
     unit = args.patch_size * args.merge
     rows, cols = max(1, math.ceil(height / unit)), max(1, math.ceil(width / unit))
@@ -68,7 +76,7 @@ def patch_grid(height: int, width: int, args: VisionArgs) -> tuple[int, int]:
     return rows * args.merge, cols * args.merge
 
 
-def image_patches(image: torch.Tensor, args: VisionArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def image_patches(image: torch.Tensor, args: PatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """patches [N, 3·p·p] (pixels scaled to [-1, 1]) and positions [N, 2] in merge order."""
     p, m = args.patch_size, args.merge
     rows, cols = patch_grid(image.shape[1], image.shape[2], args)

@@ -38,12 +38,12 @@ from titan_moe.data.dataloader import Batch, build_dataloader, resolve_data_path
 from titan_moe.data.images import (
     Document,
     ImageLoadError,
+    PatchLayout,
     image_documents,
     image_patches,
     load_image,
 )
 from titan_moe.data.packing import IGNORE_INDEX, window_sample
-from titan_moe.model.args import ConfigError, TitanMoEArgs, VisionArgs, apply_overrides, get_flavor
 
 ImagePiece = tuple[list[int], torch.Tensor, torch.Tensor]  # (tokens, patches, positions)
 
@@ -51,7 +51,7 @@ ImagePiece = tuple[list[int], torch.Tensor, torch.Tensor]  # (tokens, patches, p
 class MultimodalPacker:
     """Packs documents of text-token and image pieces into windows with patch slots."""
 
-    def __init__(self, seq_len: int, vision: VisionArgs, pad_id: int) -> None:
+    def __init__(self, seq_len: int, vision: PatchLayout, pad_id: int) -> None:
         self.seq_len, self.vision, self.pad_id = seq_len, vision, pad_id
         self.patch_dim = 3 * vision.patch_size**2
         self.tokens: list[int] = []
@@ -146,7 +146,7 @@ def image_tokens(tokenizer: BaseTokenizer, n_patches: int, group: int) -> list[i
 
 
 def encode_document(
-    pieces: list[str | torch.Tensor], tokenizer: BaseTokenizer, vision: VisionArgs
+    pieces: list[str | torch.Tensor], tokenizer: BaseTokenizer, vision: PatchLayout
 ) -> list[list[int] | ImagePiece]:
     """Text pieces as token lists, images as (tokens, patches, positions); bos first, eos last."""
     out: list[list[int] | ImagePiece] = [[tokenizer.bos_id]]
@@ -177,7 +177,7 @@ class MultimodalDataset(IterableDataset, Stateful):
         documents: list[Document],
         tokenizer: BaseTokenizer,
         seq_len: int,
-        vision: VisionArgs,
+        vision: PatchLayout,
         image_docs_per_text_doc: int = 1,
         dp_rank: int = 0,
         dp_world_size: int = 1,
@@ -246,32 +246,23 @@ class MultimodalDataset(IterableDataset, Stateful):
         self.packer.load_state_dict(state_dict)
 
 
-def model_args_of(job_config: JobConfig) -> TitanMoEArgs:
-    """The model args a job trains (flavor + [titan_moe] overrides, its seq_len)."""
-    from titan_moe.config import model_overrides
-
-    args = get_flavor(job_config.model.flavor)
-    args.max_seq_len = job_config.training.seq_len
-    return apply_overrides(args, model_overrides(job_config))
-
-
 def build_multimodal_dataloader(
     dp_world_size: int,
     dp_rank: int,
     tokenizer: BaseTokenizer | None,
     job_config: JobConfig,
+    vision: PatchLayout | None = None,
     infinite: bool = True,
 ) -> ParallelAwareDataloader:
-    """TrainSpec ``build_dataloader_fn``: text + images when ``training.image_data`` is set."""
+    """Text, or text + images when ``training.image_data`` is set; ``vision`` is the vision
+    tower's config, which the images need."""
     config = job_config.training
     if not getattr(config, "image_data", ""):
         return build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite)
     if tokenizer is None:
         raise ValueError("the dataloader needs a tokenizer: set TrainSpec.build_tokenizer_fn")
-    vision = model_args_of(job_config).vision_config()
     if vision is None:
-        raise ConfigError("training.image_data is set but titan_moe.vision = 'none'; "
-                          "choose a vision tower (debug, proxy, full)")
+        raise ValueError("training.image_data is set but no vision tower config was given")
     path = resolve_data_path(config.dataset, config.dataset_path, "training")
     dataset = MultimodalDataset(
         list_data_files(resolve_split(path, "train")),

@@ -1,15 +1,17 @@
 """Model arguments and the three flavors of spec §9 (debug, proxy, full).
 
 Every field can be overridden from the TOML `[titan_moe]` section; `validate()` runs at the
-boundary and raises one `ConfigError` naming the field and what is allowed.
+boundary and raises one `ConfigError` naming the field and what is allowed. torchtitan's
+parameter and FLOP count (`get_nparams_and_flops`) needs the model, so it is added in
+`flops.CountedTitanMoEArgs`, the class the TrainSpec's flavors have.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-import torch.nn as nn
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_moe.ops.kda import KDA_BACKENDS
@@ -208,11 +210,6 @@ class TitanMoEArgs(BaseModelArgs):
         self.vocab_size = kwargs.get("vocab_size", self.vocab_size)
         self.validate()
 
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        from titan_moe.model.flops import count_params, flops_per_token
-
-        return count_params(model, self).total, flops_per_token(self, seq_len)
-
 
 def apply_overrides(args: TitanMoEArgs, overrides: dict) -> TitanMoEArgs:
     """Set fields from a mapping, rejecting unknown names and wrong types with one clear error."""
@@ -282,7 +279,14 @@ VISION_FLAVORS: dict[str, VisionArgs] = {
 }
 
 
+def model_args(flavor: str, /, **overrides: Any) -> TitanMoEArgs:
+    """A copy of FLAVORS[flavor] with `overrides` (TitanMoEArgs fields; None = unset) applied,
+    validated; one ConfigError naming the field otherwise."""
+    if flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor = {flavor!r}: unknown flavor; allowed: {sorted(FLAVORS)}")
+    return apply_overrides(dataclasses.replace(FLAVORS[flavor]), overrides)
+
+
 def get_flavor(name: str) -> TitanMoEArgs:
-    if name not in FLAVORS:
-        raise ConfigError(f"model.flavor = {name!r}: unknown flavor; allowed: {sorted(FLAVORS)}")
-    return dataclasses.replace(FLAVORS[name]).validate()
+    """A flavor's validated args, unchanged."""
+    return model_args(name)

@@ -60,6 +60,7 @@ def vision_flops_per_window(model: nn.Module, args: TitanMoEArgs) -> int:
 
 
 def flops_per_token(args: TitanMoEArgs, seq_len: int, active_params: int | None = None) -> int:
+    """Training FLOPs per token of a model with `args` at `seq_len` (see the module docstring)."""
     with torch.device("meta"):
         model = TitanMoE(args)
     if active_params is None:
@@ -72,3 +73,14 @@ def flops_per_token(args: TitanMoEArgs, seq_len: int, active_params: int | None 
     qk = args.qk_nope_head_dim + args.qk_rope_head_dim
     mla = n_mla * args.mla_n_heads * (qk + args.v_head_dim) * seq_len
     return 6 * active_params + 3 * (kda + mla) + vision
+
+
+class CountedTitanMoEArgs(TitanMoEArgs):
+    """TitanMoEArgs with torchtitan's parameter and FLOP count (BaseModelArgs protocol).
+
+    The count builds a TitanMoE, which imports args.py; so it lives here, and the TrainSpec's
+    flavors are of this class.
+    """
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        return count_params(model, self).total, flops_per_token(self, seq_len)

@@ -14,54 +14,16 @@ optimizer step each expert takes the bias below which q of the step's T tokens f
           q = floor(T·k/E)
     b  <- b - mean(b)         top-k is shift invariant; centring keeps b bounded
 
+The histogram (`titan_moe.ops.router.histogram`) is counted by the routing ops as they route.
 The histogram form interpolates linearly inside the bin where the cumulative count reaches T·k/E,
 which lands in the same bin as the exact order statistic, so the two agree within one bin width.
 """
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-
-def qb_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The histogram range [min(b) - 1, max(b) + 1] as 0-d fp32 tensors (no host sync).
-
-    alpha is some s_j + b_j with s in (0, 1), so r = alpha - s lies strictly inside this range.
-    """
-    bias = bias.float()
-    return bias.min() - 1.0, bias.max() + 1.0
-
-
-def qb_histogram(
-    scores: torch.Tensor,
-    cutoff: torch.Tensor,
-    bias: torch.Tensor,
-    n_bins: int = 1000,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-expert histogram of r = cutoff[:, None] - scores, shape [E, n_bins], int32.
-
-    scores [T, E] are the unbiased sigmoid scores, cutoff [T] the (k+1)-th largest biased score
-    per token, bias [E] the bias the cutoffs were computed with (it fixes the range, see qb_range).
-    valid [T] bool marks real tokens; padding contributes zero counts. Values outside the range
-    (only possible through rounding) are clamped into the first or last bin. Compile-friendly: one
-    scatter_add_ into a flat [E * n_bins] buffer.
-    """
-    n_tokens, n_experts = scores.shape
-    lo, hi = qb_range(bias)
-    r = cutoff.float().unsqueeze(-1) - scores.float()
-    # NaN scores (a diverged step, which the trainer then skips) go to bin 0 as in the Triton
-    # kernel, instead of becoming an out-of-range index.
-    bins = ((r - lo) * (n_bins / (hi - lo))).floor().nan_to_num(0.0).clamp(0, n_bins - 1)
-    bins = bins.to(torch.int64)
-    flat = bins + torch.arange(n_experts, device=scores.device).mul(n_bins)
-    if valid is None:
-        counts = torch.ones_like(flat, dtype=torch.int32)
-    else:
-        counts = valid.to(torch.int32).unsqueeze(-1).expand(n_tokens, n_experts)
-    hist = torch.zeros(n_experts * n_bins, dtype=torch.int32, device=scores.device)
-    hist.scatter_add_(0, flat.reshape(-1), counts.reshape(-1))
-    return hist.view(n_experts, n_bins)
+from titan_moe.model.router import Router
+from titan_moe.ops.router.histogram import qb_range
 
 
 def _centre(bias: torch.Tensor) -> torch.Tensor:
@@ -127,42 +89,25 @@ def qb_bias_exact(
 class QuantileBalancer:
     """Once-per-optimizer-step QB update of every Router in a model.
 
-    step() all-reduces all routers' histograms and load counts in one collective over dp_group
-    (ranks holding distinct tokens, not tensor-parallel replicas), sets each router's expert_bias
-    to the new centred bias, clears the accumulators and returns routing-health metrics. With
-    exact=True the bias comes from the raw scores the routers kept instead (tests only; local
-    tokens only).
+    step() sets each router's expert_bias to the new centred bias from its histogram, clears the
+    accumulators and returns routing-health metrics. It reads the routers' histograms and load
+    counts as they are: under data parallelism the trainer sums them over the ranks first
+    (`titan_moe.optimizer.all_reduce_qb_stats`). With exact=True the bias comes from the raw
+    scores the routers kept instead (tests only; local tokens only).
     """
 
-    def __init__(
-        self, model: nn.Module, dp_group: dist.ProcessGroup | None = None, exact: bool = False
-    ):
-        # router.py imports this module's histogram, so Router is imported here, not at the top.
-        from titan_moe.model.router import Router
-
+    def __init__(self, model: nn.Module, exact: bool = False):
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
-        self.dp_group = dp_group
         self.exact = exact
         for router in self.routers:
             router.keep_scores = exact
-        # [n_routers, E] float64 expert loads (token-slot counts) of the last step, all-reduced,
-        # rows in self.routers order: what the trainer logs as the expert-load histogram.
+        # [n_routers, E] float64 expert loads (token-slot counts) of the last step, rows in
+        # self.routers order: what the trainer logs as the expert-load histogram.
         self.expert_load: torch.Tensor | None = None
 
     @property
     def layer_ids(self) -> list[int]:
         return [router.layer_id for router in self.routers]
-
-    def _all_reduce(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        parts = [torch.cat([r.qb_hist.flatten(), r.expert_load]) for r in self.routers]
-        flat = torch.cat(parts)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
-        out = []
-        for router, part in zip(self.routers, flat.split([p.numel() for p in parts]), strict=True):
-            n_experts = router.expert_load.numel()
-            out.append((part[:-n_experts].view_as(router.qb_hist), part[-n_experts:]))
-        return out
 
     def _new_bias(self, router: nn.Module, hist: torch.Tensor) -> torch.Tensor:
         if self.exact and router.kept_scores:
@@ -188,7 +133,8 @@ class QuantileBalancer:
         if not self.routers:
             return {}
         violations, spreads, loads = [], [], []
-        for router, (hist, load) in zip(self.routers, self._all_reduce(), strict=True):
+        for router in self.routers:
+            hist, load = router.qb_hist, router.expert_load
             seen = hist[0].sum() > 0
             new_bias = torch.where(seen, self._new_bias(router, hist), router.expert_bias)
             router.expert_bias.copy_(new_bias)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
-from titan_moe.model.args import ConfigError, TitanMoEArgs, apply_overrides, get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 
 ENVIRONMENTS = ("arithmetic", "python", "toy")
 
@@ -66,7 +66,7 @@ class RLConfig:
     titan_moe: dict[str, Any] = field(default_factory=dict)
 
     def model_args(self) -> TitanMoEArgs:
-        return apply_overrides(get_flavor(self.model.flavor), dict(self.titan_moe))
+        return model_args(self.model.flavor, **self.titan_moe)
 
 
 def _typed(cls: type, table: Any, where: str) -> Any:

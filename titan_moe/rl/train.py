@@ -30,6 +30,7 @@ from titan_moe.generate import Generator, Sampling, load_model
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
+from titan_moe.optimizer import all_reduce_qb_stats
 from titan_moe.rl.config import RLConfig, load_rl_config
 from titan_moe.rl.env import Environment, Tokenizer
 from titan_moe.rl.envs.arithmetic import ArithmeticEnv
@@ -135,6 +136,7 @@ def train(config: RLConfig) -> list[dict[str, float]]:
         stats = update(policy, reference, optimizer, trajectories, advantages, config,
                        tokenizer.eos_id)
         if balancer is not None:
+            all_reduce_qb_stats(balancer.routers)
             stats.update(balancer.step())
         stats.update({
             "reward": float(rewards.mean()),

@@ -5,7 +5,7 @@
     route = ids[:, :k]
     p = ρ · s[route] / Σ_{j∈route} s_j      unbiased scores, renormalised over the k routed
     alpha = vals[:, k]                     the token's QB cutoff
-    hist[e, bin(alpha - s[:, e])] += 1     quantile_balance.qb_histogram, valid tokens only
+    hist[e, bin(alpha - s[:, e])] += 1     histogram.qb_histogram, valid tokens only
     load[e] += #(valid tokens routed to e)
 
 The reference for the Triton op (`qb_route_triton.py`) and the path CPU tensors take. The sum
@@ -15,7 +15,7 @@ same bits for the same scores.
 
 import torch
 
-from titan_moe.model.quantile_balance import qb_histogram
+from titan_moe.ops.router.histogram import qb_histogram
 
 
 def topk_lowest_index_on_ties(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

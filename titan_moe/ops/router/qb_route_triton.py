@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 from triton.language.extra import libdevice
 
-from titan_moe.model.quantile_balance import qb_range
+from titan_moe.ops.router.histogram import qb_range
 
 MAX_EXPERTS = 1 << 16  # the key's low half holds 0xFFFF - e
 ROW_ELEMENTS = 4096  # BLOCK_T * BLOCK_E per program: the keys stay in registers
