@@ -4,8 +4,12 @@ the Python env scores them 0 while a correct submission scores 1."""
 import random
 import time
 
+import pytest
+
 from titan_moe.rl.envs.python_exec import PythonExecEnv
 from titan_moe.rl.sandbox import run_python
+
+pytestmark = pytest.mark.usefixtures("sandbox_isolation")
 
 
 def test_hang_crash_and_memory_are_contained():

@@ -1,4 +1,4 @@
-"""Python tasks that carry their own tests, run in the sandbox (time and memory limits).
+"""Python tasks that carry their own tests, run in the sandbox (isolated; time, memory limits).
 
 Each turn the model writes code. A turn that starts with `# run` is a tool call: the code runs
 and its output (or error, or "timeout") comes back as the observation. Any other turn is the
@@ -11,7 +11,7 @@ import random
 import re
 
 from titan_moe.rl.env import Episode, StepResult
-from titan_moe.rl.sandbox import run_python
+from titan_moe.rl.sandbox import isolation, run_python
 
 TASKS = [
     ("Write add(a, b) returning a + b.",
@@ -43,6 +43,7 @@ class PythonExecEnv:
         self.max_turns = max_turns
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
+        isolation()  # a machine without the sandbox's isolation fails here, not in every rollout
 
     def reset(self, rng: random.Random) -> Episode:
         description, tests = rng.choice(TASKS)
