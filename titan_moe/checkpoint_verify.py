@@ -168,6 +168,7 @@ class VerifiedCheckpoints:
         checkpointer.save, checkpointer.load = self.save, self.load
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
+        """The wrapped save; when it saved, rank 0 writes the step's manifest."""
         saving = self.checkpointer._should_save(curr_step, last_step)
         self._save(curr_step, last_step)
         if saving and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -175,6 +176,7 @@ class VerifiedCheckpoints:
                            self.model_args)
 
     def load(self, step: int = -1) -> bool:
+        """The wrapped load, of the step `step_to_load` picks on rank 0; False if none."""
         step = _on_rank0(lambda: self.step_to_load(step))
         return step is not None and self._load(step)
 
