@@ -43,6 +43,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 
+from titan_moe.checkpoint_verify import VerifiedCheckpoints
 from titan_moe.chunked_loss import ChunkedCrossEntropy, hidden_from_head
 from titan_moe.config import MODEL_NAME, ConfigError, job_model_args, parse_job_config_or_exit
 from titan_moe.context_parallel import shard_batch
@@ -222,6 +223,8 @@ class TitanMoETrainer(PlatformTrainer):
         # torchtitan's train() calls checkpointer.save after every step; it saves when due.
         self._save_checkpoint = self.checkpointer.save
         self.checkpointer.save = self.save_checkpoint
+        # Saves gain a manifest; loads take a step that verifies (checkpoint_verify.py).
+        self.verified_checkpoints = VerifiedCheckpoints(self.checkpointer, self.model_args)
         self.last_batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         self.head = getattr(self.model_parts[0], "output", None)
         if job_config.training.loss_chunk:
