@@ -16,6 +16,7 @@ use (extend with tool output, decode again, without re-reading the history).
 """
 
 import argparse
+import sys
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titan_moe.checkpoint_verify import MANIFEST, CheckpointError, verify_checkpoint
 from titan_moe.cli_args import in_range, positive
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import TitanMoE
@@ -220,17 +222,34 @@ def model_args_from_toml(config: str | Path | None, flavor: str | None = None) -
                       **values.get("titan_moe", {}))
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A DCP checkpoint folder: `path` itself if it has .metadata, else its newest complete
-    step-N below it (also below path/checkpoint, torchtitan's default folder)."""
+def resolve_checkpoint(path: str | Path, args: TitanMoEArgs) -> Path:
+    """A DCP checkpoint folder checked against its manifest and `args`: `path` itself if it has
+    .metadata, else its newest step-N below it (also below path/checkpoint, torchtitan's default
+    folder) that verifies, newer ones that do not skipped with a warning. Raises CheckpointError
+    for a damaged explicit folder and ModelArgsMismatch for other model args; a folder without
+    a manifest (not written by the trainer) loads with a warning that it is unverified."""
     path = Path(path)
     if (path / ".metadata").is_file():
+        _verify(path, args)
         return path
     steps = [p for base in (path, path / "checkpoint") if base.is_dir()
              for p in base.glob("step-*") if (p / ".metadata").is_file()]
     if not steps:
         raise FileNotFoundError(f"no complete DCP checkpoint (step-N/.metadata) under {path}")
-    return max(steps, key=lambda p: int(p.name.split("-")[-1]))
+    for step in sorted(steps, key=lambda p: int(p.name.split("-")[-1]), reverse=True):
+        try:
+            _verify(step, args)
+            return step
+        except CheckpointError as e:
+            print(f"warning: skipping checkpoint {step.name}: {e}", file=sys.stderr)
+    raise CheckpointError(f"no checkpoint under {path} verifies (each is named above)")
+
+
+def _verify(step: Path, args: TitanMoEArgs) -> None:
+    if (step / MANIFEST).is_file():
+        verify_checkpoint(step, args)
+    else:
+        print(f"warning: {step} has no {MANIFEST}: loading it unverified", file=sys.stderr)
 
 
 def load_model(
@@ -247,7 +266,7 @@ def load_model(
     model.init_weights()
     if checkpoint is not None:
         state = model.state_dict()
-        dcp.load(state, checkpoint_id=str(resolve_checkpoint(checkpoint)))
+        dcp.load(state, checkpoint_id=str(resolve_checkpoint(checkpoint, args)))
         model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()
 
