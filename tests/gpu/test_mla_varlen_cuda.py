@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from titan_moe.model.mla import document_causal_mask, varlen_document_attention
+from titan_moe.ops.document_attention import document_causal_mask, varlen_document_attention
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2  # bf16 inputs and Flash's bf16 output, relative to the largest magnitude
