@@ -30,6 +30,7 @@ from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.ops.kda import CHUNK_SIZE, chunk_kda, chunk_kda_fused_gate
+from titan_moe.ops.kda.fla_backend import use_tuned_fla_configs
 
 ISSUE_SHAPES = "1,8192,16,128;2,16384,16,128;1,8192,96,128;8,4096,32,128;1,65536,16,128"
 LAYER_LENGTHS = "8192,16384,32768,65536"
@@ -102,6 +103,7 @@ def bench(impl: Callable, shape, device, dtype, fused, warmup, iters, bandwidth,
 
 
 def fla_impls() -> dict[str, Callable]:
+    use_tuned_fla_configs()  # before fla's first import: its config cache reads the env then
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
     except ImportError:

@@ -32,7 +32,7 @@ import anchor_deepseek
 import torch
 import torch.nn.functional as F
 from report import write_json
-from timing import timed, top_device_time
+from timing import device_profile, timed
 
 from compile_passes.registry import PASS_NAMES
 from titan_moe.cli_args import non_negative, positive, positive_float
@@ -40,6 +40,7 @@ from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_docum
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
 from titan_moe.model.model import TitanMoE
+from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
 from titan_moe.parallelize import apply_compile
 from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=non_negative, default=2)
     parser.add_argument("--iters", type=positive, default=5)
     parser.add_argument("--peak-tflops", type=positive_float, default=H200_BF16_DENSE_TFLOPS)
+    parser.add_argument("--kda-backend", default="auto", choices=KDA_BACKENDS,
+                        help="CUDA kernels of the KDA layers (titan_moe.kda_backend)")
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: the 15 largest device-time entries of one step per row")
     parser.add_argument("--out", type=Path, default=Path("step.json"))
@@ -84,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_args(opts, vision: bool) -> TitanMoEArgs:
     args = dataclasses.replace(get_flavor(opts.flavor), max_seq_len=opts.seq_len,
-                               vision=opts.flavor if vision else "none")
+                               vision=opts.flavor if vision else "none",
+                               kda_backend=opts.kda_backend)
     if opts.smoke:  # toy widths: the cold CPU compile of each layer stays in seconds
         args = dataclasses.replace(
             args, dim=32, n_layers=2, mla_layers=(2,), dense_hidden=64, head_dim=16,
@@ -157,12 +161,13 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
     ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
-    profile = top_device_time(step, ms) if opts.profile and device == "cuda" else []
+    profile = device_profile(step, ms) if opts.profile and device == "cuda" else {}
     n_tokens = batch["input"].numel()
     n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
     tflops = flops * n_tokens / (ms * 1e-3) / 1e12
     return {
         "inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
+        "kda_backend": resolve_backend(opts.kda_backend) if mode != ANCHOR else None,
         "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms, "first_step_s": first_step_s,
         "tokens_per_s": n_tokens / (ms * 1e-3), "image_patches": n_patches,
         "patches_per_s": n_patches / (ms * 1e-3), "tflops": tflops,
@@ -201,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} {speedup} {mem}")
     for r in rows:
         if r["profile"]:
-            print(f"top device time, {r['inputs']} {r['mode']} ({r['ms']:.1f} ms a step):")
-            for e in r["profile"]:
+            print(f"device time by class, {r['inputs']} {r['mode']} ({r['ms']:.1f} ms a step):")
+            for c in r["profile"]["by_class"]:
+                print(f"  {c['ms']:8.2f} ms {100 * c['share']:5.1f}%  {c['class']}")
+            print(f"top device time, {r['inputs']} {r['mode']}:")
+            for e in r["profile"]["top"]:
                 print(f"  {e['ms']:8.2f} ms {100 * e['share']:5.1f}%  x{e['calls']:<4} "
                       f"{e['kernel'][:80]}")
     write_json(opts.out, opts, rows)

@@ -22,15 +22,45 @@ def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> flo
     return statistics.median(samples)
 
 
-def top_device_time(fn: Callable[[], object], step_ms: float, top: int = 15) -> list[dict]:
-    """The largest device-time entries (kernels by name) of one fn() call under torch.profiler,
-    each with its share of step_ms. Entries overlap nowhere on one stream, so shares add up."""
+# Kernel classes of a training step, by the first matching name fragment (lower case). Inductor
+# names its kernels triton_{poi,red,per,tem}_fused_<aten ops>; its templates are GEMMs.
+KERNEL_CLASSES = (
+    ("gemm", ("triton_tem", "nvjet", "cutlass", "gemm", "sm90_xmma", "cublas")),
+    ("inductor (fused)", ("triton_",)),
+    ("kda", ("chunk_", "state_scan", "intra_chunk", "kda", "wy_", "solve_tril", "delta_rule")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("multi_tensor_apply", "fusedoptimizer", "adam")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other aten")
+
+
+def device_profile(fn: Callable[[], object], step_ms: float, top: int = 15) -> dict:
+    """One fn() call under torch.profiler: its `top` largest kernels by device time and the
+    device time of each kernel class (KERNEL_CLASSES), each with its share of step_ms.
+
+    Only kernels count: profiler annotations (the optimizer's `Optimizer.step#...` range) also
+    carry device time, but they span kernels already counted.
+    """
     activity = torch.profiler.ProfilerActivity
     with torch.profiler.profile(activities=[activity.CPU, activity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    rows = sorted(({"kernel": e.key, "calls": e.count, "ms": e.device_time_total / 1e3,
-                    "share": e.device_time_total / 1e3 / step_ms} for e in events),
-                  key=lambda r: -r["ms"])
-    return rows[:top]
+    events = [e for e in prof.key_averages()
+              if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and "#" not in e.key]
+    kernels = sorted(({"kernel": e.key, "calls": e.count, "ms": e.device_time_total / 1e3,
+                       "share": e.device_time_total / 1e3 / step_ms} for e in events),
+                     key=lambda r: -r["ms"])
+    classes: dict[str, float] = {}
+    for k in kernels:
+        classes[kernel_class(k["kernel"])] = classes.get(kernel_class(k["kernel"]), 0.0) + k["ms"]
+    busy = sum(classes.values())
+    by_class = [{"class": c, "ms": ms, "share": ms / step_ms}
+                for c, ms in sorted(classes.items(), key=lambda x: -x[1])]
+    by_class.append({"class": "idle (step minus kernels)", "ms": step_ms - busy,
+                     "share": 1 - busy / step_ms})
+    return {"top": kernels[:top], "by_class": by_class}

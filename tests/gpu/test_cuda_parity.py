@@ -4,12 +4,13 @@ vs eager, grouped GEMM. The float32 CPU parity suite is tests/parity/."""
 import pytest
 import torch
 
-from compile_passes.registry import PASS_NAMES, inductor_options, matched_counts
+from compile_passes.registry import PASS_NAMES, matched_counts
 from tests.gpu.bf16_tolerance import BF16_RTOL
 from tests.gpu.bf16_tolerance import max_relative_error as _rel
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from titan_moe.parallelize import apply_compile
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,6 +19,7 @@ pytestmark = [
 
 
 def test_debug_model_bf16_compiled_matches_eager_on_cuda():
+    """Compiled as training compiles it (apply_compile: per sublayer, fullgraph, every pass)."""
     torch.manual_seed(0)
     model = TitanMoE(get_flavor("debug")).cuda()
     model.init_weights()
@@ -27,6 +29,7 @@ def test_debug_model_bf16_compiled_matches_eager_on_cuda():
     eager = model(tokens, doc_ids)
     eager.float().square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    params = dict(model.named_parameters())  # compiling wraps submodules, renaming parameters
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -34,8 +37,8 @@ def test_debug_model_bf16_compiled_matches_eager_on_cuda():
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
-        compiled = torch.compile(model, fullgraph=True, options=inductor_options(PASS_NAMES))
-        out = compiled(tokens, doc_ids)
+        apply_compile(model, "inductor", set(), passes=PASS_NAMES)
+        out = model(tokens, doc_ids)
         out.float().square().mean().backward()
     # On CUDA the KDA Triton op computes the gate cumsum itself: only these two passes match.
     fired = matched_counts()
@@ -47,10 +50,10 @@ def test_debug_model_bf16_compiled_matches_eager_on_cuda():
     # and a router row by 36% while the outputs agreed), so per-tensor maxima are not a fair
     # comparison there; every other parameter is compared tensor by tensor.
     experts = [n for n in grads if ".ffn.experts." in n or ".ffn.router." in n]
-    got = torch.cat([dict(model.named_parameters())[n].grad.float().flatten() for n in experts])
+    got = torch.cat([params[n].grad.float().flatten() for n in experts])
     want = torch.cat([grads[n].float().flatten() for n in experts])
     assert float((got - want).norm() / want.norm()) < 5 * BF16_RTOL
-    for n, p in model.named_parameters():
+    for n, p in params.items():
         if n in grads and n not in experts and grads[n].abs().max() > 0:
             assert _rel(p.grad, grads[n]) < 5 * BF16_RTOL, n
 

@@ -16,7 +16,7 @@ from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.ops.kda import chunk_kda_fla, chunk_kda_torch, chunk_kda_triton, kda_gate
 from titan_moe.ops.kda.chunk_triton import chunk_kda_fwd
-from titan_moe.ops.kda.fla_backend import FLA_INSTALLED, fla_kda_fwd
+from titan_moe.ops.kda.fla_backend import FLA_INSTALLED, fla_kda_fwd, use_tuned_fla_configs
 from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
 
 pytestmark = [
@@ -67,6 +67,7 @@ def make_case(batch, seq_len, heads, d, gate, seed=0):
 
 
 def fla_chunk_kda():
+    use_tuned_fla_configs()
     fla_kda = pytest.importorskip("fla.ops.kda", reason="fla-core (the anchor) not installed")
     return fla_kda.chunk_kda
 

@@ -3,7 +3,7 @@ semantics), and the choice of their CUDA backend.
 
 On CUDA they run one of two backends that torch.compile traces with no graph break:
 `"triton"`, our Triton op (`chunk_triton.py`), or `"fla"`, fla-core's kernels behind custom ops
-(`fla_backend.py`); `"auto"` takes fla where fla-core is installed, else ours. Elsewhere, and
+(`fla_backend.py`); `"auto"` takes ours, the faster in the compiled training step. Elsewhere, and
 for the cases the ops leave out, the plain-PyTorch chunked form (`naive.py`). The branch is on
 the device, in Python, before any op is called: Inductor cannot compile user Triton kernels
 for CPU tensors.
@@ -24,11 +24,17 @@ KDA_BACKENDS = ("auto", "triton", "fla")
 
 
 def resolve_backend(backend: str) -> str:
-    """"triton" or "fla" for a CUDA call; raises for an unknown name or fla without fla-core."""
+    """"triton" or "fla" for a CUDA call; raises for an unknown name or fla without fla-core.
+
+    "auto" is ours: the faster in the compiled proxy step on the H200 (bench/RESULTS.md,
+    2026-12-04: 221.7 ms against fla's 251.5 ms, batch 1 × 4096). fla's kernels take a quarter
+    of our kernels' time, but its varlen path reads the document layout on the host (two syncs
+    per call), which leaves the GPU idle for 46% of that step.
+    """
     if backend not in KDA_BACKENDS:
         raise ValueError(f"KDA backend {backend!r}: allowed {', '.join(KDA_BACKENDS)}")
     if backend == "auto":
-        return "fla" if FLA_INSTALLED else "triton"
+        return "triton"
     if backend == "fla" and not FLA_INSTALLED:
         raise ModuleNotFoundError(f"KDA backend 'fla' needs fla-core: {FLA_INSTALL_HINT}")
     return backend

@@ -14,9 +14,16 @@ The forward keeps only fla's chunk matrices (A_qk, A_kk) and, for a precomputed 
 gate's chunk cumsum; fla's backward recomputes W, U and the states from them.
 
 fla-core is an optional dependency (`pip install -e '.[gpu]'`), imported when the op first runs.
+fla autotunes each of its kernels at the first call of every new variant, minutes in all; the
+configs it chose on a GPU model (`scripts/tune_fla_kda.py`) are kept in `fla_configs/<GPU>/`
+and handed to fla's own config cache, so a run on that GPU starts without autotuning.
 """
 
 import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -30,9 +37,34 @@ FLA_INSTALL_HINT = "pip install fla-core==0.6.0 (or pip install -e '.[gpu]')"
 FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 
 
+FLA_CONFIG_ROOT = Path(__file__).with_name("fla_configs")
+
+
+def fla_config_dir(gpu_name: str) -> Path:
+    """Where the tuned configs of one GPU model live (fla's own naming of the GPU)."""
+    return FLA_CONFIG_ROOT / (re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu")
+
+
+def use_tuned_fla_configs() -> None:
+    """Point fla's config cache at our tuned configs for this GPU, if we have them.
+
+    fla reads FLA_CACHE_MODE and FLA_CONFIG_DIR once, when its cache module is imported, so this
+    runs before the first import of fla's kernels; a user's own settings win. "fuzzy": a config
+    is taken for an equal autotune key, or one of the same structure with other sizes (another
+    sequence length); any other variant autotunes as usual.
+    """
+    if "fla.ops.utils.cache" in sys.modules or "FLA_CACHE_MODE" in os.environ:
+        return
+    configs = fla_config_dir(torch.cuda.get_device_name())
+    if configs.is_dir():
+        os.environ["FLA_CACHE_MODE"] = "fuzzy"
+        os.environ["FLA_CONFIG_DIR"] = str(configs)
+
+
 def _require_fla():
     if not FLA_INSTALLED:
         raise ModuleNotFoundError(f"the fla KDA backend needs fla-core: {FLA_INSTALL_HINT}")
+    use_tuned_fla_configs()
     # Imported here, not at module level: fla-core is optional and pulls in its kernels.
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
@@ -166,23 +198,22 @@ def fla_kda_bwd(
         d_initial = q.new_empty(0, dtype=torch.float32)
     else:
         d_initial = (dh0[row_first] if varlen else dh0).to(initial_state.dtype)
-    empty = q.new_empty(0, dtype=torch.float32)
+    # A custom op's outputs may not alias each other: a fresh empty tensor for each absent one.
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype), dg.view(g.shape).to(g.dtype),
             dbeta.view(beta.shape).to(beta.dtype), d_initial,
-            dA_log.to(A_log.dtype) if fused else empty,
-            d_dt_bias.to(dt_bias.dtype) if fused else empty)
+            dA_log.to(A_log.dtype) if fused else q.new_empty(0, dtype=torch.float32),
+            d_dt_bias.to(dt_bias.dtype) if fused else q.new_empty(0, dtype=torch.float32))
 
 
 @fla_kda_bwd.register_fake
 def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum, do, d_final,
       scale, g_min):
-    empty = q.new_empty(0, dtype=torch.float32)
+    def like(x):
+        return q.new_empty(0, dtype=torch.float32) if x is None else torch.empty_like(x)
+
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta),
-            empty if initial_state is None else torch.empty_like(initial_state),
-            empty if A_log is None else torch.empty_like(A_log),
-            empty if dt_bias is None else torch.empty_like(dt_bias))
+            torch.empty_like(beta), like(initial_state), like(A_log), like(dt_bias))
 
 
 def _setup_context(ctx, inputs, output) -> None:
