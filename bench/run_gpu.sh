@@ -24,14 +24,21 @@ step() {
     local rc=${PIPESTATUS[0]}
     [[ $rc -eq 0 ]] || { echo "=== $name failed (exit $rc)"; status=1; }
 }
-step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600
+# fla's configs for this GPU first (fla autotunes for minutes per kernel variant without them;
+# commit what it writes under titan_moe/ops/kda/fla_configs/).
+step tune_fla python3 scripts/tune_fla_kda.py
+# Stacks every 120 s (pytest's own faulthandler; a dump_traceback_later set elsewhere is
+# cancelled by pytest), and a test past its limit ends the run with its stack (thread method:
+# the signal method cannot interrupt a test stuck in a Triton or Inductor compile).
+step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600 \
+    --timeout-method=thread -o faulthandler_timeout=120
 step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
 step kda python3 bench/kda.py --out "$out/kda.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 step long_context python3 bench/long_context.py --out "$out/long_context.json"
 step compile python3 bench/compile.py --out "$out/compile.json"
-step train_step python3 bench/step.py --out "$out/step.json"
+step train_step python3 bench/step.py --batch 2 --profile --out "$out/step.json"
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
 step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
