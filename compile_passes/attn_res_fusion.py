@@ -88,16 +88,21 @@ class _LazyPatterns(PatternMatcherPass):
         for key in _stack_signatures(graph, training) - self.registered:
             self.registered.add(key)
             n, dtype, grad = key
-            example = [torch.empty(2, 3, 16, dtype=dtype, requires_grad=grad) for _ in range(n)]
-            example += [torch.empty(16, requires_grad=grad) for _ in range(2)]
-            register_replacement(
-                _with_arguments(_site_forward, n),
-                _with_arguments(attn_res_unrolled, n),
-                example,
-                joint_fwd_bwd if grad else fwd_only,
-                self,
-                scalar_workaround={"eps": EPS},
-            )
+            # The site's query and gain are fp32 in training (an fp32 island); a model cast
+            # whole to the sources' dtype has them in that dtype, a different traced graph.
+            for param_dtype in {torch.float32, dtype}:
+                example = [torch.empty(2, 3, 16, dtype=dtype, requires_grad=grad)
+                           for _ in range(n)]
+                example += [torch.empty(16, dtype=param_dtype, requires_grad=grad)
+                            for _ in range(2)]
+                register_replacement(
+                    _with_arguments(_site_forward, n),
+                    _with_arguments(attn_res_unrolled, n),
+                    example,
+                    joint_fwd_bwd if grad else fwd_only,
+                    self,
+                    scalar_workaround={"eps": EPS},
+                )
         return super().apply(gm)
 
 
