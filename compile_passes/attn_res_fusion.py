@@ -76,23 +76,23 @@ def _with_arguments(fn, n: int):
 
 
 class _LazyPatterns(PatternMatcherPass):
-    """Registers the (source count, dtype, training) patterns a graph needs, then matches."""
+    """Registers the (source dtypes, training) patterns a graph needs, then matches."""
 
     def __init__(self) -> None:
         super().__init__(pass_name=f"compile_passes.{NAME}")
-        self.registered: set[tuple[int, torch.dtype, bool]] = set()
+        self.registered: set[tuple[tuple[torch.dtype, ...], bool]] = set()
 
     def apply(self, gm) -> int:
         graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
         training = any(n.op == "placeholder" and "tangents" in n.name for n in graph.nodes)
         for key in _stack_signatures(graph, training) - self.registered:
             self.registered.add(key)
-            n, dtype, grad = key
+            dtypes, grad = key
+            n = len(dtypes)
             # The site's query and gain are fp32 in training (an fp32 island); a model cast
             # whole to the sources' dtype has them in that dtype, a different traced graph.
-            for param_dtype in {torch.float32, dtype}:
-                example = [torch.empty(2, 3, 16, dtype=dtype, requires_grad=grad)
-                           for _ in range(n)]
+            for param_dtype in {torch.float32, dtypes[0]}:
+                example = [torch.empty(2, 3, 16, dtype=d, requires_grad=grad) for d in dtypes]
                 example += [torch.empty(16, dtype=param_dtype, requires_grad=grad)
                             for _ in range(2)]
                 register_replacement(
@@ -106,8 +106,12 @@ class _LazyPatterns(PatternMatcherPass):
         return super().apply(gm)
 
 
-def _stack_signatures(graph: torch.fx.Graph, training: bool) -> set[tuple[int, torch.dtype, bool]]:
-    """(n, dtype, training) of every `cat` of n ≤ 9 same-shaped tensors (a stacked site)."""
+def _stack_signatures(
+    graph: torch.fx.Graph, training: bool
+) -> set[tuple[tuple[torch.dtype, ...], bool]]:
+    """(source dtypes, training) of every `cat` of n ≤ 9 same-shaped floating tensors (a stacked
+    site). Under autocast the sources mix dtypes: the embedding's fp32 block beside bf16 partial
+    sums of the mixers' outputs."""
     found = set()
     for node in graph.nodes:
         if node.target is not torch.ops.aten.cat.default or not node.args:
@@ -116,8 +120,8 @@ def _stack_signatures(graph: torch.fx.Graph, training: bool) -> set[tuple[int, t
         metas = [getattr(x, "meta", {}).get("val") for x in inputs]
         if not 1 <= len(inputs) <= MAX_SOURCES or any(m is None for m in metas):
             continue
-        if len({(m.shape, m.dtype) for m in metas}) == 1 and metas[0].dtype.is_floating_point:
-            found.add((len(inputs), metas[0].dtype, training))
+        if len({m.shape for m in metas}) == 1 and all(m.dtype.is_floating_point for m in metas):
+            found.add((tuple(m.dtype for m in metas), training))
     return found
 
 

@@ -45,20 +45,28 @@ def test_situ_glu_pass_fires_and_keeps_one_kernel_each_way():
         assert _rel(c, e) < RTOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attn_res_pass_fires_and_preserves_gradients(dtype):
-    """fp32: the training layout (fp32 site). bf16: a model cast whole (site parameters and
-    sources bf16), as the GPU parity test runs it; eager computes in fp32 inside either way."""
-    site = AttnResSite(16).to(dtype)
+# (site parameters' dtype, sources' dtypes): fp32 alone; the training layout under bf16 autocast
+# (an fp32 site, the embedding's fp32 block beside a bf16 partial sum); a model cast whole to bf16.
+SITE_LAYOUTS = {
+    "fp32": (torch.float32, [torch.float32] * 3),
+    "autocast": (torch.float32, [torch.float32, torch.bfloat16]),
+    "bf16": (torch.bfloat16, [torch.bfloat16] * 3),
+}
+
+
+@pytest.mark.parametrize("layout", SITE_LAYOUTS)
+def test_attn_res_pass_fires_and_preserves_gradients(layout):
+    param_dtype, dtypes = SITE_LAYOUTS[layout]
+    site = AttnResSite(16).to(param_dtype)
     with torch.no_grad():
         site.query.normal_()
-    sources = [torch.randn(2, 4, 16, dtype=dtype, requires_grad=True) for _ in range(3)]
+    sources = [torch.randn(2, 4, 16, dtype=d, requires_grad=True) for d in dtypes]
     result, compiled, eager = _compiled_vs_eager(site, sources, ["attn_res"])
     assert matched_counts()["attn_res"] == 1
     assert "aten.mv" not in result.post_grad["graph0_forward"]
-    rtol = RTOL if dtype == torch.float32 else 1e-2  # bf16 gradients: one rounding apart
     for c, e in zip(compiled, eager, strict=True):
-        assert _rel(c, e) < rtol
+        # Gradients of bf16 sources are rounded to bf16 at the end: one rounding apart.
+        assert _rel(c, e) < (RTOL if c.dtype == torch.float32 else 1e-2)
 
 
 def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
