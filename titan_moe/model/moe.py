@@ -20,6 +20,7 @@ from torch import nn
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.router import Router
 from titan_moe.model.situ_glu import SiTUGLU, situ_glu
+from titan_moe.ops.gather_rows import gather_distinct_rows
 from titan_moe.ops.grouped_mm import grouped_mm
 
 
@@ -131,8 +132,9 @@ class LatentMoE(nn.Module):
         z_pairs = z.unsqueeze(1).expand(n_tokens, k, z.shape[-1]).reshape(n_tokens * k, -1)
         z_grouped = z.new_zeros(n_rows, z.shape[-1]).index_copy(0, dest, z_pairs)
         expert_out = self.experts(z_grouped, offs)
-        # Only the pairs' rows are read back: padding and leftover rows get no gradient.
-        pair_out = expert_out.index_select(0, dest).view(n_tokens, k, -1)
+        # Only the pairs' rows are read back: padding and leftover rows get no gradient. Every
+        # pair has its own row, so the backward scatters without atomics.
+        pair_out = gather_distinct_rows(expert_out, dest).view(n_tokens, k, -1)
         u = (pair_out.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
         y = self.w_up(self.norm(u.to(x.dtype)))
         if self.shared is not None:
