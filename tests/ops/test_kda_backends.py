@@ -12,7 +12,12 @@ import torch
 
 from titan_moe.model.args import ConfigError, apply_overrides, get_flavor
 from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
-from titan_moe.ops.kda.fla_backend import FLA_INSTALLED, _per_sequence, _sequences
+from titan_moe.ops.kda.fla_backend import (
+    FLA_INSTALLED,
+    _per_sequence,
+    _sequences,
+    document_sequences,
+)
 
 
 def random_docs(batch: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -56,6 +61,21 @@ def test_row_states_seed_each_rows_first_sequence():
         rows = (row_first == n).nonzero().flatten().tolist()
         want = state[rows[0]] if rows else torch.zeros_like(state[0])
         assert torch.equal(per_seq[n], want), n
+
+
+def test_document_layout_is_reused_for_the_same_unmodified_doc_tensor():
+    """One host sync a step: every layer's call with the step's doc tensor reuses the layout;
+    an in-place change or another tensor (even with equal values) computes it anew."""
+    doc = random_docs(2, 80, 1)
+    first = document_sequences(doc)
+    assert document_sequences(doc) is first
+    doc[1, 40:] += 1  # a new document starts mid-row: the old layout would be stale
+    changed = document_sequences(doc)
+    assert changed is not first
+    for got, want in zip(changed, _sequences(doc), strict=True):
+        assert torch.equal(got, want)
+    other = doc.clone()
+    assert document_sequences(other) is not changed
 
 
 def test_backend_names():

@@ -28,8 +28,9 @@ def resolve_backend(backend: str) -> str:
 
     "auto" is ours: the faster in the compiled proxy step on the H200 (bench/RESULTS.md,
     2026-12-04: 221.7 ms against fla's 251.5 ms, batch 1 × 4096). fla's kernels take a quarter
-    of our kernels' time, but its varlen path reads the document layout on the host (two syncs
-    per call), which leaves the GPU idle for 46% of that step.
+    of our kernels' time, but its varlen path then read the document layout on the host at
+    every call, which left the GPU idle for 46% of that step. The layout is now computed once
+    a step (`fla_backend.document_sequences`); until that is measured, "auto" stays ours.
     """
     if backend not in KDA_BACKENDS:
         raise ValueError(f"KDA backend {backend!r}: allowed {', '.join(KDA_BACKENDS)}")

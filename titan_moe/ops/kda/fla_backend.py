@@ -86,6 +86,28 @@ def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return cu_seqlens, row_first, row_last
 
 
+# The last document layout computed, with the doc tensor it came from (held, so the object
+# cannot be freed and another take its place).
+_last_layout: tuple[Tensor, int, tuple[Tensor, Tensor, Tensor]] | None = None
+
+
+def document_sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`_sequences(doc)`, reused while the same, unmodified doc tensor comes back.
+
+    Every KDA layer of a step, forward and backward, receives the model's one doc_ids tensor,
+    so the host sync of `_sequences` (its nonzero) runs once a step instead of once a call
+    (48 for the proxy), and fla's own identity caches (`prepare_chunk_indices`, keyed on the
+    cu_seqlens object) hit as well. Identity plus the version counter (bumped by any in-place
+    write) make a stale hit impossible.
+    """
+    global _last_layout
+    if _last_layout is not None and _last_layout[0] is doc and _last_layout[1] == doc._version:
+        return _last_layout[2]
+    layout = _sequences(doc)
+    _last_layout = (doc, doc._version, layout)
+    return layout
+
+
 def _flat(x: Tensor | None, varlen: bool) -> Tensor | None:
     return x.reshape(1, -1, *x.shape[2:]) if x is not None and varlen else x
 
@@ -127,8 +149,8 @@ def fla_kda_fwd(
     empty: the gate's chunk cumsum, kept for the backward when the gate is precomputed)."""
     fwd, _, prepare_chunk_indices = _require_fla()
     varlen = doc is not None
-    # One host sync (nonzero) for the document layout, shared by everything below.
-    cu_seqlens, row_first, row_last = _sequences(doc) if varlen else (None, None, None)
+    # The document layout: one host sync (nonzero) a step, shared by every call (see above).
+    cu_seqlens, row_first, row_last = document_sequences(doc) if varlen else (None, None, None)
     if initial_state is not None and varlen:
         initial_state = _per_sequence(initial_state, row_first, cu_seqlens)
     o, final, g_cumsum, A_qk, A_kk, *_ = fwd(
@@ -181,7 +203,7 @@ def fla_kda_bwd(
     _, bwd, prepare_chunk_indices = _require_fla()
     varlen = doc is not None
     fused = A_log is not None
-    cu_seqlens, row_first, row_last = _sequences(doc) if varlen else (None, None, None)
+    cu_seqlens, row_first, row_last = document_sequences(doc) if varlen else (None, None, None)
     h0, dht = initial_state, d_final
     if varlen:
         h0 = None if h0 is None else _per_sequence(h0, row_first, cu_seqlens)
