@@ -23,7 +23,7 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     export OMP_NUM_THREADS=$(( OMP_NUM_THREADS > 0 ? OMP_NUM_THREADS : 1 ))
 fi
 
-python -m titan_moe.config --job.config_file "$CONFIG_FILE" "$@"
+python -m titan_moe.train.config --job.config_file "$CONFIG_FILE" "$@"
 
 exec torchrun --standalone --nproc_per_node="$NGPU" --local-ranks-filter "${LOG_RANK:-0}" \
     --role rank --tee 3 -m titan_moe.train --job.config_file "$CONFIG_FILE" "$@"

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 
 from float8 import convert_dense_linears, convert_routed_experts
 from titan_moe.cli_args import non_negative, positive, positive_float
-from titan_moe.config import Float8
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
 from titan_moe.model.quantile_balance import QuantileBalancer
-from titan_moe.parallelize import apply_compile
+from titan_moe.parallel.parallelize import apply_compile
+from titan_moe.train.config import Float8
 
 VARIANTS = ("bf16", "float8", "float8+moe")
 

@@ -24,10 +24,10 @@ import torch
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
-from titan_moe.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
+from titan_moe.train.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
 
 LENGTHS = "8192,65536,262144,1048576"
 TINY_LENGTHS = "128,256"

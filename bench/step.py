@@ -7,7 +7,7 @@ on the multimodal batch (vision tower included), against torchtitan's own DeepSe
 Each row times one AdamW step of a freshly built, seeded model (forward, cross entropy, backward,
 optimizer; median of --iters after --warmup, the first of which compiles and is reported as
 first_step_s). The compiled modes
-compile as training does (titan_moe/parallelize.py's apply_compile: per sublayer and ViT
+compile as training does (titan_moe/parallel/parallelize.py's apply_compile: per sublayer and ViT
 block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass.
 `torchtitan` (text, proxy flavor or --smoke) is the anchor: torchtitan 0.2.2's deepseek_v3 at the
 proxy's widths (toy widths under --smoke), compiled per block as torchtitan compiles it
@@ -41,7 +41,7 @@ from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
-from titan_moe.parallelize import apply_compile
+from titan_moe.parallel.parallelize import apply_compile
 from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 
 MODES = {"eager": None, "compiled": [], "compiled+passes": list(PASS_NAMES)}

@@ -1,5 +1,6 @@
-"""The package's import layering: ops and data never import the model (nor data the config or
-trainer), and the module-level imports of titan_moe form no cycle."""
+"""The package's import layering, one way: ops and data import neither the model nor the
+parallelism or the trainer; the model imports neither parallelism nor the trainer; and the
+module-level imports of titan_moe form no cycle."""
 
 import ast
 from pathlib import Path
@@ -62,13 +63,20 @@ def _violations(layer: str, forbidden: tuple[str, ...]) -> list[str]:
     ]
 
 
-def test_ops_import_nothing_from_the_model():
-    assert _violations("titan_moe.ops", ("titan_moe.model",)) == []
+def test_ops_import_nothing_from_the_model_parallelism_or_trainer():
+    forbidden = ("titan_moe.model", "titan_moe.parallel", "titan_moe.train")
+    assert _violations("titan_moe.ops", forbidden) == []
 
 
-def test_data_imports_neither_model_nor_config_nor_trainer():
-    forbidden = ("titan_moe.model", "titan_moe.config", "titan_moe.train")
+def test_data_imports_neither_model_nor_parallelism_nor_trainer():
+    forbidden = ("titan_moe.model", "titan_moe.parallel", "titan_moe.train")
     assert _violations("titan_moe.data", forbidden) == []
+
+
+def test_model_imports_neither_parallelism_nor_trainer():
+    """Parallelism and float8 are applied from outside the model (torchtitan style)."""
+    forbidden = ("titan_moe.parallel", "titan_moe.train")
+    assert _violations("titan_moe.model", forbidden) == []
 
 
 def test_module_level_imports_have_no_cycle():

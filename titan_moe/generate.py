@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_moe.checkpoint_verify import MANIFEST, CheckpointError, verify_checkpoint
 from titan_moe.cli_args import in_range, positive
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import CHUNK_SIZE
 from titan_moe.tokenizer import TitanTokenizer, asset_path
+from titan_moe.train.checkpoint_verify import MANIFEST, CheckpointError, verify_checkpoint
 
 
 @dataclass

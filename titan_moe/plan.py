@@ -38,12 +38,12 @@ from unittest import mock
 import torch
 
 from titan_moe.cli_args import positive, positive_float
-from titan_moe.fp32_modules import FP32_MODULES
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import moe as moe_module
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import DecoderLayer, TitanMoE
+from titan_moe.parallel.fp32_modules import FP32_MODULES
 
 GB = 1e9
 ACT_BYTES = 2  # bf16 activations under FSDP2's bf16 param policy
@@ -299,7 +299,7 @@ def validate(cfg: PlanConfig, steps: int) -> dict:
     from torchtitan.config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac
 
-    from titan_moe.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
+    from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 
     if not torch.cuda.is_available():
         raise SystemExit("error: --validate needs a CUDA GPU")

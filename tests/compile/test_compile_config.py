@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torchtitan.distributed import ParallelDims
 
 from compile_passes.registry import PASS_NAMES, matched_counts
-from titan_moe.config import ConfigError, parse_job_config
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
-from titan_moe.parallelize import parallelize_titan_moe
+from titan_moe.parallel.parallelize import parallelize_titan_moe
+from titan_moe.train.config import ConfigError, parse_job_config
 
 # One dense Gated-MLA layer at toy width: a SiTU-GLU MLP and an AttnRes site inside the compiled
 # layer (MLA, not KDA: its graph compiles several times faster; tests/parity sees kda_gate fire).

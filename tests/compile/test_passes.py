@@ -80,7 +80,7 @@ def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
 
 
 def test_unknown_pass_name_is_a_clear_error():
-    from titan_moe.parallelize import apply_compile
+    from titan_moe.parallel.parallelize import apply_compile
 
     with pytest.raises(ValueError, match="compile.passes: unknown pass 'fuse_all'; allowed"):
         apply_compile(nn.Module(), "inductor", set(), passes=["fuse_all"])

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from titan_moe.context_parallel import apply_context_parallel, shard_sequence
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.context_parallel import apply_context_parallel, shard_sequence
 
 RTOL = 1e-4  # float32, relative to the largest magnitude of each tensor
 SEQ_LEN = 256

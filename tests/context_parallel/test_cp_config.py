@@ -3,7 +3,7 @@ clear error naming the fields; a supported one parses."""
 
 import pytest
 
-from titan_moe.config import ConfigError, parse_job_config
+from titan_moe.train.config import ConfigError, parse_job_config
 
 CP2 = ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "256",
        "--training.device", "cpu"]

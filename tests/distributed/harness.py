@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as tt_dist_utils
 
-from titan_moe.chunked_loss import ChunkedCrossEntropy, hidden_from_head
-from titan_moe.config import job_config_class
-from titan_moe.context_parallel import shard_batch
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
-from titan_moe.optimizer import all_reduce_qb_stats
-from titan_moe.parallelize import parallelize_titan_moe
-from titan_moe.platform import use_platform
+from titan_moe.parallel.context_parallel import shard_batch
+from titan_moe.parallel.parallelize import parallelize_titan_moe
+from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
+from titan_moe.train.config import job_config_class
+from titan_moe.train.optimizer import all_reduce_qb_stats
+from titan_moe.train.platform import use_platform
 
 GLOBAL_ROWS = 4
 SEQ_LEN = 64
@@ -180,5 +180,6 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
             results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()  # see titan_moe.train.run: no rank tears gloo down while its peer still works
+    # See titan_moe.train.trainer.run: no rank tears gloo down while its peer still works.
+    dist.barrier()
     dist.destroy_process_group()

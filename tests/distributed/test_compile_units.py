@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from tests.distributed.harness import build_model
 from titan_moe.model.moe import GroupedExperts
-from titan_moe.parallelize import apply_compile, fsdp_units
+from titan_moe.parallel.parallelize import apply_compile, fsdp_units
 
 
 def test_layers_without_units_compile_by_sublayer():

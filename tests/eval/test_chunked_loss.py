@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed.harness import build_model, global_batch
-from titan_moe.chunked_loss import (
+from titan_moe.train.chunked_loss import (
     ChunkedCrossEntropy,
     chunked_linear_cross_entropy,
     hidden_from_head,

@@ -13,8 +13,8 @@ from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTen
 
 from float8 import check_float8_hardware, convert_dense_linears, convert_routed_experts
 from tests.distributed.harness import build_model, global_batch
-from titan_moe.config import Float8
 from titan_moe.model.args import ConfigError
+from titan_moe.train.config import Float8
 
 KDA = ["w_q", "w_k", "w_v", "w_g", "w_o"]
 SITU = ["w1", "w3", "w2"]
@@ -103,7 +103,7 @@ def test_hardware_errors_name_the_field():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_config_rejects_float8_on_cpu_without_emulation():
-    from titan_moe.config import parse_job_config
+    from titan_moe.train.config import parse_job_config
 
     with pytest.raises(ConfigError, match="float8"):
         parse_job_config(["--job.config_file", "configs/debug.toml", "--training.device", "cpu",

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_moe.checkpoint_verify import CheckpointError, ModelArgsMismatch, write_manifest
 from titan_moe.generate import load_model
+from titan_moe.train.checkpoint_verify import CheckpointError, ModelArgsMismatch, write_manifest
 
 
 def save(model, folder, step):

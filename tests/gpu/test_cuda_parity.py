@@ -10,7 +10,7 @@ from tests.gpu.bf16_tolerance import max_relative_error as _rel
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
-from titan_moe.parallelize import apply_compile
+from titan_moe.parallel.parallelize import apply_compile
 
 pytestmark = [
     pytest.mark.gpu,

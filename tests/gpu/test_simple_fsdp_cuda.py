@@ -56,8 +56,8 @@ def _train(model, steps: int = 5) -> tuple[list[float], float]:
 @pytest.mark.parametrize("passes", ["none", "auto_bucketing", "transformer_block_bucketing"])
 def test_compiled_simple_fsdp_matches_fsdp2(mesh, passes):
     from tests.distributed.harness import build_model
-    from titan_moe.parallelize import apply_fsdp
-    from titan_moe.simple_fsdp import compile_simple_fsdp, shard_simple_fsdp
+    from titan_moe.parallel.parallelize import apply_fsdp
+    from titan_moe.parallel.simple_fsdp import compile_simple_fsdp, shard_simple_fsdp
 
     fsdp2 = build_model().cuda()
     apply_fsdp(fsdp2, mesh, torch.float32, torch.float32)

@@ -6,7 +6,7 @@ from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import QuantileBalancer, qb_bias_exact, qb_bias_from_histogram
 from titan_moe.model.router import Router
 from titan_moe.ops.router.histogram import qb_histogram, qb_range
-from titan_moe.optimizer import all_reduce_qb_stats
+from titan_moe.train.optimizer import all_reduce_qb_stats
 
 # The histogram is binned in fp32 while the exact reference runs in float64: a value sitting on
 # a bin edge may land one bin over, so the one-bin bound gets this much slack.

@@ -3,7 +3,7 @@
 $NAN_RANKS if that is set.
 
 Patches torchtitan's Trainer, which our trainer calls: `python -m titan_moe.train` runs its own
-copy of titan_moe/train.py as __main__, so patching titan_moe.train would miss it.
+copy of titan_moe/train/trainer.py as __main__, so patching titan_moe.train would miss it.
 """
 
 import os

@@ -18,8 +18,8 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-from titan_moe.optimizer import attach_load_balancing
-from titan_moe.train import build_metrics_processor
+from titan_moe.train.optimizer import attach_load_balancing
+from titan_moe.train.trainer import build_metrics_processor
 
 SPEC_NAME = "titan_moe_smoke"
 N_FAKE_EXPERTS = 8

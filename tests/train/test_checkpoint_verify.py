@@ -1,9 +1,9 @@
-"""Verified checkpoints (titan_moe/checkpoint_verify.py) on the resume tests' tiny CPU run.
+"""Verified checkpoints (titan_moe/train/checkpoint_verify.py) on the resume tests' tiny CPU run.
 
 One 2-step run saves step-1 and step-2 with their manifests; each test damages a copy of them and
 resumes it. A resume asks for `training.steps 1`, so it loads and stops without a training step,
-whichever step it loads. The runs go through `titan_moe.train.main` in this process: the imports
-and the first step's warm-up are paid once for the file, not once per run.
+whichever step it loads. The runs go through `titan_moe.train.trainer.main` in this process:
+the imports and the first step's warm-up are paid once for the file, not once per run.
 """
 
 import re
@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from tests.train.test_checkpoint_resume import REPO, TINY
-from titan_moe.checkpoint_verify import MANIFEST, CheckpointError, ModelArgsMismatch
-from titan_moe.train import main
+from titan_moe.train.checkpoint_verify import MANIFEST, CheckpointError, ModelArgsMismatch
+from titan_moe.train.trainer import main
 
 SHARD = "__0_0.distcp"
 

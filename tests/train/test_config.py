@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_moe.config import (
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK
+from titan_moe.train.config import (
     ConfigError,
     model_overrides,
     parse_job_config,
     parse_job_config_or_exit,
 )
-from titan_moe.model.args import TitanMoEArgs
-from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK
-from titan_moe.train import main
+from titan_moe.train.trainer import main
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ step, exactly as the proxy chain in configs/stages/ does at 8K -> 64K -> 256K ->
 
 scripts/run_stages.sh runs one `run_train.sh` per stage, and each launch imports torch and
 torchtitan twice (config check, trainer) for about 10 s on 2 cores; here the stages run one
-after another in one child process through `titan_moe.train.main` (what run_train.sh's torchrun
-child runs, config check included), so the imports are paid once. The script's own loop is
+after another in one child process through `titan_moe.train.trainer.main` (what run_train.sh's
+torchrun child runs, config check included), so the imports are paid once. The script's own loop is
 checked by its error path. Dims, lengths and steps are the smallest that keep the rest.
 """
 
@@ -47,7 +47,7 @@ expert_hidden = 32
 # One stage after another, as scripts/run_stages.sh does (each stage gets a fresh port).
 CHAIN = """
 import os, sys
-from titan_moe.train import main
+from titan_moe.train.trainer import main
 for config in sys.argv[1:]:
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         os.environ.pop(key, None)

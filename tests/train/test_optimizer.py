@@ -9,7 +9,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
-from titan_moe.optimizer import exclude_1d_from_weight_decay
+from titan_moe.train.optimizer import exclude_1d_from_weight_decay
 
 LR, WD = 0.1, 0.5
 

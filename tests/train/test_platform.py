@@ -16,7 +16,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchtitan.tools import utils as tt_utils
 
-from titan_moe.platform import resolve_device_type, use_platform
+from titan_moe.train.platform import resolve_device_type, use_platform
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -106,7 +106,7 @@ def test_cpu_profiler_writes_a_chrome_trace(runs):
 
 MONITOR_PROBE = """
 import torch
-from titan_moe.platform import HostMemoryMonitor
+from titan_moe.train.platform import HostMemoryMonitor
 monitor = HostMemoryMonitor()
 before = monitor.get_peak_stats().max_reserved_gib
 block = torch.ones(2**28 // 4)  # 0.25 GiB, touched, so resident

@@ -20,8 +20,8 @@ from torchtitan.distributed import utils as tt_dist_utils
 
 from titan_moe.model.quantile_balance import QuantileBalancer
 from titan_moe.model.router import Router
-from titan_moe.optimizer import attach_load_balancing
-from titan_moe.step_guard import FiniteStepGuard, NonFiniteError, check_finite_weights
+from titan_moe.train.optimizer import attach_load_balancing
+from titan_moe.train.step_guard import FiniteStepGuard, NonFiniteError, check_finite_weights
 
 REPO = Path(__file__).resolve().parents[2]
 

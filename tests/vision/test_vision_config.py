@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from titan_moe.config import parse_job_config
 from titan_moe.model.args import VISION_FLAVORS, ConfigError, get_flavor
 from titan_moe.model.flops import count_params
 from titan_moe.model.model import TitanMoE
+from titan_moe.train.config import parse_job_config
 
 MM = ["--job.config_file", "configs/debug_mm.toml", "--training.device", "cpu"]
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from titan_moe.chunked_loss import hidden_from_head
+from titan_moe.train.chunked_loss import hidden_from_head
 
 POSITION_BUCKETS = (0, 1024, 8192, 65536, 262144, 1048576)
 LOSS_CHUNK = 8192  # positions per cross-entropy call

@@ -92,7 +92,7 @@ class QuantileBalancer:
     step() sets each router's expert_bias to the new centred bias from its histogram, clears the
     accumulators and returns routing-health metrics. It reads the routers' histograms and load
     counts as they are: under data parallelism the trainer sums them over the ranks first
-    (`titan_moe.optimizer.all_reduce_qb_stats`). With exact=True the bias comes from the raw
+    (`titan_moe.train.optimizer.all_reduce_qb_stats`). With exact=True the bias comes from the raw
     scores the routers kept instead (tests only; local tokens only).
     """
 

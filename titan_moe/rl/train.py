@@ -30,7 +30,6 @@ from titan_moe.generate import Generator, Sampling, load_model
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
-from titan_moe.optimizer import all_reduce_qb_stats
 from titan_moe.rl.config import RLConfig, load_rl_config
 from titan_moe.rl.env import Environment, Tokenizer
 from titan_moe.rl.envs.arithmetic import ArithmeticEnv
@@ -39,6 +38,7 @@ from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
 from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs
 from titan_moe.rl.rollout import Trajectory, rollout
 from titan_moe.tokenizer import TitanTokenizer, asset_path
+from titan_moe.train.optimizer import all_reduce_qb_stats
 
 
 def build_env(config: RLConfig) -> tuple[Environment, Tokenizer]:

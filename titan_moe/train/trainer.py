@@ -43,13 +43,13 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 
-from titan_moe.checkpoint_verify import VerifiedCheckpoints
-from titan_moe.chunked_loss import ChunkedCrossEntropy, hidden_from_head
-from titan_moe.config import MODEL_NAME, ConfigError, job_model_args, parse_job_config_or_exit
-from titan_moe.context_parallel import shard_batch
-from titan_moe.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
-from titan_moe.platform import PlatformTrainer, resolve_device_type, use_platform
-from titan_moe.step_guard import FiniteStepGuard, check_finite_weights
+from titan_moe.parallel.context_parallel import shard_batch
+from titan_moe.train.checkpoint_verify import VerifiedCheckpoints
+from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
+from titan_moe.train.config import MODEL_NAME, ConfigError, job_model_args, parse_job_config_or_exit
+from titan_moe.train.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
+from titan_moe.train.platform import PlatformTrainer, resolve_device_type, use_platform
+from titan_moe.train.step_guard import FiniteStepGuard, check_finite_weights
 
 
 class TitanMoEMetricsProcessor(MetricsProcessor):
@@ -179,7 +179,7 @@ def titan_moe_train_spec() -> TrainSpec:
     from titan_moe.model.args import FLAVORS
     from titan_moe.model.flops import CountedTitanMoEArgs
     from titan_moe.model.model import TitanMoE
-    from titan_moe.parallelize import parallelize_titan_moe
+    from titan_moe.parallel.parallelize import parallelize_titan_moe
     from titan_moe.tokenizer import build_tokenizer
 
     return TrainSpec(
@@ -280,8 +280,8 @@ class TitanMoETrainer(PlatformTrainer):
         self.metrics_processor.log_multimodal_eval(self.step, accuracy)
 
     def evaluate_long_context(self) -> dict[str, float]:
-        from titan_moe.config import needle_lengths
         from titan_moe.eval.long_context import NeedleSpec, long_context_metrics
+        from titan_moe.train.config import needle_lengths
 
         eval_config, seq_len = self.job_config.eval, self.job_config.training.seq_len
         spec = NeedleSpec(tuple(needle_lengths(eval_config, seq_len)),
@@ -342,6 +342,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     job_config = parse_job_config_or_exit(sys.argv[1:] if argv is None else argv)
     run(job_config)
 
-
-if __name__ == "__main__":
-    main()

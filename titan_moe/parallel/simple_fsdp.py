@@ -21,8 +21,8 @@ from torchtitan.experiments.simple_fsdp.simple_fsdp import (
     disable_active_parametrization,
 )
 
-from titan_moe.fp32_modules import FP32_MODULES, fp32_islands
 from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.fp32_modules import FP32_MODULES, fp32_islands
 
 
 def layer_buckets(model: TitanMoE) -> list[list[str] | str]:

@@ -30,12 +30,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
-from titan_moe.context_parallel import apply_context_parallel
-from titan_moe.expert_parallel import apply_expert_parallel
-from titan_moe.fp32_modules import FP32_MODULES, fp32_islands
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
-from titan_moe.simple_fsdp import apply_simple_fsdp
+from titan_moe.parallel.context_parallel import apply_context_parallel
+from titan_moe.parallel.expert_parallel import apply_expert_parallel
+from titan_moe.parallel.fp32_modules import FP32_MODULES, fp32_islands
+from titan_moe.parallel.simple_fsdp import apply_simple_fsdp
 
 # Selective op-level AC keeps these outputs and recomputes the rest (torchtitan's llama list
 # plus the grouped GEMM of the routed experts).

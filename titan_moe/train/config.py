@@ -15,7 +15,7 @@ readable, non-empty data files, the model args accept the overrides, the profile
 step counts, rates and intervals are in range, the parallel degrees fit the process count and the
 global batch (torchtitan's ParallelDims rules), `compile.passes` names known passes on the
 Inductor backend, and the processes per node fit the devices.
-Run `python -m titan_moe.config --job.config_file F [--section.key value ...]` to check only.
+Run `python -m titan_moe.train.config --job.config_file F [--section.key value ...]` to check only.
 """
 
 import copy
@@ -40,9 +40,9 @@ from torchtitan.protocols.train_spec import get_train_spec
 from compile_passes.registry import PASS_NAMES, check_pass_names
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+from titan_moe.tokenizer import ASSETS_DIR
 
 MODEL_NAME = "titan_moe"
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 # gloo ranks beyond two per core only oversubscribe the machine.
 CPU_PROCESSES_PER_CORE = 2
 _NONE_TOKEN = "None"
@@ -78,11 +78,11 @@ class Training(tt_config.Training):
     image_docs_per_text_doc: int = 1
     """Image documents interleaved after each text document of the corpus."""
     loss_chunk: int = 0
-    """Positions per chunk of the chunked LM-head cross-entropy (titan_moe/chunked_loss.py), so
-    the [T, vocab] logits never exist whole; 0: the full-logits loss."""
+    """Positions per chunk of the chunked LM-head cross-entropy (titan_moe/train/chunked_loss.py),
+    so the [T, vocab] logits never exist whole; 0: the full-logits loss."""
     max_consecutive_skipped_steps: int = 3
     """A step whose loss or grad norm is not finite is skipped (no optimizer step, counted as
-    train/skipped_steps); this many in a row stop the run (titan_moe/step_guard.py)."""
+    train/skipped_steps); this many in a row stop the run (titan_moe/train/step_guard.py)."""
     skip_bad_documents: bool = False
     """Skip and count (data/skipped_documents) documents that cannot be read (invalid JSON, no
     text field, not UTF-8) instead of stopping at the first with its file:line."""
@@ -204,7 +204,7 @@ def _check_loss_chunk(job_config: Any) -> None:
 
 
 def _check_context_parallel(job_config: Any, vision: str) -> None:
-    """CP shards each sequence into cp contiguous slabs (titan_moe/context_parallel.py)."""
+    """CP shards each sequence into cp contiguous slabs (titan_moe/parallel/context_parallel.py)."""
     parallelism, training = job_config.parallelism, job_config.training
     cp = parallelism.context_parallel_degree
     if cp <= 1:
@@ -520,7 +520,7 @@ def _resolve(cls: type, dotted: str) -> tuple[str, Any]:
 
 
 def _check_semantics(job_config: Any) -> None:
-    from titan_moe.platform import resolve_device_type
+    from titan_moe.train.platform import resolve_device_type
 
     try:
         device_type = resolve_device_type(job_config.training.device)

@@ -1,0 +1,5 @@
+"""`python -m titan_moe.train` (and torchrun's `-m titan_moe.train`): train from a TOML."""
+
+from titan_moe.train.trainer import main
+
+main()
