@@ -52,11 +52,19 @@ def test_params_cli_prints_units():
     ({"mla_layers": [9]}, "mla_layers"),
     ({"mla_layers": [0]}, "mla_layers"),
     ({"n_layers": "eight"}, "n_layers"),
+    ({"n_layers": True}, "n_layers"),  # a bool is not an int
+    ({"mla_layers": [2.5]}, "mla_layers"),  # the list's items are typed too
     ({"not_a_field": 1}, "not_a_field"),
 ])
 def test_inconsistent_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=rf"titan_moe\.{field}\b"):
         apply_overrides(get_flavor("debug"), overrides)
+
+
+def test_overrides_take_toml_forms():
+    """TOML gives lists for tuples and ints for floats: the one type check accepts both."""
+    args = apply_overrides(get_flavor("debug"), {"mla_layers": [2, 4], "norm_eps": 1})
+    assert args.mla_layers == (2, 4) and args.norm_eps == 1
 
 
 def test_unknown_flavor_lists_allowed():

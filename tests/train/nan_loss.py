@@ -2,8 +2,8 @@
 (comma-separated) is NaN, so their gradients and grad norm are NaN too; only on the ranks in
 $NAN_RANKS if that is set.
 
-Patches torchtitan's Trainer, which our trainer calls: `python -m titan_moe.train` runs its own
-copy of titan_moe/train/trainer.py as __main__, so patching titan_moe.train would miss it.
+Patches torchtitan's Trainer, the class our trainer (titan_moe/train/trainer.py) builds on, so
+the patch holds however the trainer is started (`python -m titan_moe.train`, torchrun).
 """
 
 import os

@@ -9,11 +9,13 @@ parameter and FLOP count (`get_nparams_and_flops`) needs the model, so it is add
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_moe.config_types import type_name, value_matches
 from titan_moe.ops.kda import KDA_BACKENDS
 from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED
 
@@ -212,35 +214,25 @@ class TitanMoEArgs(BaseModelArgs):
 
 
 def apply_overrides(args: TitanMoEArgs, overrides: dict) -> TitanMoEArgs:
-    """Set fields from a mapping, rejecting unknown names and wrong types with one clear error."""
-    fields = {f.name: f for f in dataclasses.fields(args) if not f.name.startswith("_")}
+    """Set fields from a mapping, rejecting unknown names and wrong types with one clear error
+    (the type check of TOML and CLI values, config_types.value_matches)."""
+    fields = {f.name for f in dataclasses.fields(args) if not f.name.startswith("_")}
+    hints = typing.get_type_hints(type(args))
     for name, value in overrides.items():
         if value is None:
             continue
         if name not in fields:
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"titan_moe.{name}: unknown field; allowed: {allowed}")
-        if name == "mla_layers" and isinstance(value, (list, tuple)):
-            value = tuple(value)
-        elif not _type_matches(value, fields[name].type):
+        if not value_matches(hints[name], value):
             raise ConfigError(
-                f"titan_moe.{name} = {value!r}: expected {fields[name].type}, "
+                f"titan_moe.{name} = {value!r}: expected {type_name(hints[name])}, "
                 f"got {type(value).__name__}"
             )
+        if typing.get_origin(hints[name]) is tuple:
+            value = tuple(value)  # TOML and the CLI give lists
         setattr(args, name, value)
     return args.validate()
-
-
-def _type_matches(value: object, annotation: str) -> bool:
-    if isinstance(value, bool):
-        return annotation == "bool"
-    if isinstance(value, int):
-        return annotation.startswith("int") or annotation == "float"
-    if isinstance(value, float):
-        return annotation == "float"
-    if isinstance(value, str):
-        return annotation == "str"
-    return False
 
 
 def _every_fourth_and_last(n_layers: int) -> tuple[int, ...]:

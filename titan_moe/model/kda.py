@@ -67,8 +67,9 @@ def last_valid(window: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tenso
 
 
 class KimiDeltaAttention(nn.Module):
-    # The two steps that mix along the sequence. Context parallelism (titan_moe/context_parallel)
-    # replaces them per instance with versions that exchange the conv halo and the state.
+    # The two steps that mix along the sequence. Context parallelism
+    # (titan_moe/parallel/context_parallel.py) replaces them per instance with versions that
+    # exchange the conv halo and the state.
     sequence_conv = staticmethod(causal_depthwise_conv)
     sequence_recurrence = staticmethod(chunk_kda_fused_gate)
 

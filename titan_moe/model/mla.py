@@ -110,8 +110,8 @@ class GatedMLA(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """[c_kv | k_rope] of the keys -> (c_kv, k_rope, their doc ids): the local tokens.
 
-        Context parallelism (titan_moe/context_parallel) replaces it per instance with the
-        all-gathered causal prefix of the sequence.
+        Context parallelism (titan_moe/parallel/context_parallel.py) replaces it per instance
+        with the all-gathered causal prefix of the sequence.
         """
         c_kv, k_rope = latent.split([self.kv_lora, self.rope], dim=-1)
         return c_kv, k_rope, doc_ids

@@ -2,4 +2,5 @@
 
 from titan_moe.train.trainer import main
 
-main()
+if __name__ == "__main__":
+    main()

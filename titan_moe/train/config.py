@@ -38,6 +38,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
 from compile_passes.registry import PASS_NAMES, check_pass_names
+from titan_moe.config_types import cli_values_match, type_name, value_matches
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
 from titan_moe.tokenizer import ASSETS_DIR
@@ -45,7 +46,6 @@ from titan_moe.tokenizer import ASSETS_DIR
 MODEL_NAME = "titan_moe"
 # gloo ranks beyond two per core only oversubscribe the machine.
 CPU_PROCESSES_PER_CORE = 2
-_NONE_TOKEN = "None"
 
 
 
@@ -460,9 +460,9 @@ def _check_toml(cls: type, values: dict[str, Any], source: str, path: str = "") 
             if not isinstance(value, dict):
                 raise ConfigError(f"{where} in {source} must be a [{where}] table")
             _check_toml(hint, value, source, where)
-        elif not _toml_value_ok(hint, value):
+        elif not value_matches(hint, value):
             raise ConfigError(
-                f"{where}: expected {_type_name(hint)}, got {value!r} ({source})"
+                f"{where}: expected {type_name(hint)}, got {value!r} ({source})"
             )
 
 
@@ -487,9 +487,9 @@ def _check_cli(cls: type, argv: list[str]) -> None:
         while not eq and i < len(argv) and not argv[i].startswith("--"):
             values.append(argv[i])
             i += 1
-        if not _cli_values_ok(hint, values):
+        if not cli_values_match(hint, values):
             got = " ".join(values) if values else "no value"
-            raise ConfigError(f"{path}: expected {_type_name(hint)}, got {got!r} (--{name})")
+            raise ConfigError(f"{path}: expected {type_name(hint)}, got {got!r} (--{name})")
 
 
 def _no(path: str) -> str:
@@ -661,61 +661,6 @@ def _is_simple(hint: Any) -> bool:
         inner = [a for a in args if a is not Ellipsis]
         return len(inner) == 1 and inner[0] in _SCALARS
     return False
-
-
-def _toml_value_ok(hint: Any, value: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin is Literal:
-        return value in args
-    if origin in (types.UnionType, typing.Union):
-        return any(_toml_value_ok(a, value) for a in args if a is not type(None))
-    if origin in (list, tuple):
-        inner = [a for a in args if a is not Ellipsis]
-        return isinstance(value, list) and all(_toml_value_ok(inner[0], v) for v in value)
-    return True  # a type only tyro knows; it validates it
-
-
-def _cli_values_ok(hint: Any, values: list[str]) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if values == [_NONE_TOKEN] and type(None) in args:
-            return True
-        return any(_cli_values_ok(a, values) for a in args if a is not type(None))
-    if origin in (list, tuple):
-        if hint == list[str]:
-            return len(values) == 1  # torchtitan parses list[str] as one "a,b,c" token
-        inner = [a for a in args if a is not Ellipsis]
-        return len(inner) != 1 or all(_cli_values_ok(inner[0], [v]) for v in values)
-    if len(values) != 1:
-        return False
-    if origin is Literal:
-        return values[0] in [str(a) for a in args]
-    if hint in (int, float):
-        try:
-            hint(values[0])
-        except ValueError:
-            return False
-    return True
-
-
-def _type_name(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
-    if origin in (list, tuple):
-        inner = [a for a in args if a is not Ellipsis]
-        return f"a list of {_type_name(inner[0])}" if len(inner) == 1 else str(hint)
-    return getattr(hint, "__name__", str(hint))
 
 
 if __name__ == "__main__":
