@@ -6,6 +6,7 @@ whichever step it loads. The runs go through `titan_moe.train.trainer.main` in t
 the imports and the first step's warm-up are paid once for the file, not once per run.
 """
 
+import dataclasses
 import re
 import shutil
 import socket
@@ -15,7 +16,13 @@ import pytest
 import torch.distributed as dist
 
 from tests.train.test_checkpoint_resume import REPO, TINY
-from titan_moe.train.checkpoint_verify import MANIFEST, CheckpointError, ModelArgsMismatch
+from titan_moe.train.checkpoint_verify import (
+    MANIFEST,
+    CheckpointError,
+    ModelArgsMismatch,
+    verify_checkpoint,
+    write_manifest,
+)
 from titan_moe.train.trainer import main
 
 SHARD = "__0_0.distcp"
@@ -113,3 +120,20 @@ def test_other_model_args_are_one_error_naming_the_field(checkpoints, capsys):
         f"checkpoint {checkpoints / 'step-2'} was saved for other model args: n_layers: checkpoint "
         "3 vs config 4; train with the checkpoint's model config, or start a fresh "
         "checkpoint.folder")
+
+
+def test_a_temporary_manifest_left_by_a_killed_save_is_not_listed(tmp_path):
+    """A save killed between writing its manifest's temporary file and renaming it leaves that
+    file in the step folder; saving the step again must not list it (the write renames it away),
+    or the new manifest names a missing file and the step never verifies
+    (tests/faults/test_faults.py kills a real save there)."""
+
+    @dataclasses.dataclass
+    class Args:
+        dim: int = 8
+
+    (tmp_path / SHARD).write_bytes(b"shard bytes")
+    (tmp_path / f".{MANIFEST}.partial").write_text('{"format": 1}')
+    write_manifest(tmp_path, Args())
+    assert {p.name for p in tmp_path.iterdir()} == {SHARD, MANIFEST}
+    verify_checkpoint(tmp_path, Args())

@@ -63,15 +63,18 @@ def _sha256(path: Path) -> str:
 
 
 def write_manifest(step_dir: Path, model_args: Any) -> None:
-    """Write step_dir/manifest.json: size and sha256 of every file in it, and the model args."""
-    files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """Write step_dir/manifest.json: size and sha256 of every file in it, and the model args.
+    A temporary manifest left by a save killed while writing it is not one of the step's files
+    (it is overwritten below, then renamed away)."""
+    partial = step_dir / f".{MANIFEST}.partial"
+    files = sorted(p for p in step_dir.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and p != partial)
     manifest = {
         "format": FORMAT,
         "model_args": model_args_json(model_args),
         "files": {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                   for p in files},
     }
-    partial = step_dir / f".{MANIFEST}.partial"
     with partial.open("w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
