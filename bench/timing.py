@@ -57,7 +57,8 @@ def device_profile(fn: Callable[[], object], step_ms: float, top: int = 15) -> d
                      key=lambda r: -r["ms"])
     classes: dict[str, float] = {}
     for k in kernels:
-        classes[kernel_class(k["kernel"])] = classes.get(kernel_class(k["kernel"]), 0.0) + k["ms"]
+        name = kernel_class(k["kernel"])
+        classes[name] = classes.get(name, 0.0) + k["ms"]
     busy = sum(classes.values())
     by_class = [{"class": c, "ms": ms, "share": ms / step_ms}
                 for c, ms in sorted(classes.items(), key=lambda x: -x[1])]
