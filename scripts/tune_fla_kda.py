@@ -99,9 +99,12 @@ def tuned_configs() -> dict[str, dict]:
                       "maxnreg": cfg.maxnreg}
             entries[AutotuneKey.key_hash(key)] = {"autotune_key": list(key), "config": config}
         if entries:
+            # The first key tuned (the model's variant: run_variants calls it first) is the
+            # default for keys never tuned, read by fla's "full" cache mode.
             files[tuner.kernel_name] = {"kernel_name": tuner.kernel_name,
                                         "triton_version": triton.__version__,
-                                        "autotune_entries": entries}
+                                        "autotune_entries": entries,
+                                        "default_config": next(iter(entries.values()))["config"]}
     return files
 
 

@@ -14,10 +14,12 @@ from titan_moe.model.args import ConfigError, apply_overrides, get_flavor
 from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
 from titan_moe.ops.kda.fla_backend import (
     FLA_INSTALLED,
+    _chunk_lower,
     _per_sequence,
     _sequences,
     document_sequences,
 )
+from titan_moe.ops.kda.intra_chunk import CHUNK
 
 
 def random_docs(batch: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -43,18 +45,38 @@ def sequences_by_loop(doc: torch.Tensor) -> tuple[list[int], list[int], list[int
 def test_documents_become_fla_sequences(seed):
     doc = random_docs(3, 97, seed)
     doc[1] = 5  # a row that is one document
-    cu_seqlens, row_first, row_last = _sequences(doc)
+    cu_seqlens, row_first, row_last, chunk_row = _sequences(doc)
     want_cu, want_first, want_last = sequences_by_loop(doc)
     assert cu_seqlens.dtype == torch.int32
     assert cu_seqlens.tolist() == want_cu
     assert row_first.tolist() == want_first
     assert row_last.tolist() == want_last
+    # fla's chunks restart at every sequence start: each token's row in its chunk, by a loop.
+    want_row = [[0] * doc.shape[1] for _ in range(doc.shape[0])]
+    for b in range(doc.shape[0]):
+        for t in range(1, doc.shape[1]):
+            same = doc[b, t] == doc[b, t - 1]
+            want_row[b][t] = (want_row[b][t - 1] + 1) % CHUNK if same else 0
+    assert chunk_row.tolist() == want_row
+
+
+def test_chunk_matrices_keep_each_rows_lower_triangle_only():
+    """What fla leaves unwritten (right of each chunk row's diagonal) becomes 0; the rest stays."""
+    a = torch.randn(2, 150, 3, CHUNK)
+    chunk_row = torch.arange(150).remainder(CHUNK).expand(2, -1).clone()
+    chunk_row[1, 70:] = torch.arange(80).remainder(CHUNK)  # row 1: a sequence starts at 70
+    got = _chunk_lower(a.clone(), chunk_row)
+    for b in range(2):
+        for t in range(150):
+            r = int(chunk_row[b, t])
+            assert torch.equal(got[b, t, :, : r + 1], a[b, t, :, : r + 1]), (b, t)
+            assert not got[b, t, :, r + 1 :].any(), (b, t)
 
 
 def test_row_states_seed_each_rows_first_sequence():
     doc = random_docs(3, 64, 0)
     state = torch.randn(3, 2, 4, 4)
-    cu_seqlens, row_first, _ = _sequences(doc)
+    cu_seqlens, row_first, _, _ = _sequences(doc)
     per_seq = _per_sequence(state, row_first, cu_seqlens)
     assert per_seq.shape[0] == cu_seqlens.numel() - 1
     for n in range(per_seq.shape[0]):
@@ -80,7 +102,8 @@ def test_document_layout_is_reused_for_the_same_unmodified_doc_tensor():
 
 def test_backend_names():
     assert resolve_backend("triton") == "triton"
-    assert resolve_backend("auto") == "triton"  # the faster in the compiled step (bench/)
+    # fla's where installed: the faster in the compiled step (bench/RESULTS.md)
+    assert resolve_backend("auto") == ("fla" if FLA_INSTALLED else "triton")
     with pytest.raises(ValueError, match="allowed auto, triton, fla"):
         resolve_backend("cuda")
     with pytest.raises(ConfigError, match=r"titan_moe\.kda_backend = 'cuda'"):

@@ -49,15 +49,18 @@ def use_tuned_fla_configs() -> None:
     """Point fla's config cache at our tuned configs for this GPU, if we have them.
 
     fla reads FLA_CACHE_MODE and FLA_CONFIG_DIR once, when its cache module is imported, so this
-    runs before the first import of fla's kernels; a user's own settings win. "fuzzy": a config
-    is taken for an equal autotune key, or one of the same structure with other sizes (another
-    sequence length); any other variant autotunes as usual.
+    runs before the first import of fla's kernels; a user's own settings win. "full": a config
+    is taken for an equal autotune key, else for one of the same structure with other sizes
+    (another sequence length), else each kernel's `default_config` (the one tuned for the
+    model's variant). Without that last fallback, every other variant (a given gate, initial
+    states: autotune keys of another length) autotuned for about 140 s at its first call
+    (measured on the H200, 2026-12-04).
     """
     if "fla.ops.utils.cache" in sys.modules or "FLA_CACHE_MODE" in os.environ:
         return
     configs = fla_config_dir(torch.cuda.get_device_name())
     if configs.is_dir():
-        os.environ["FLA_CACHE_MODE"] = "fuzzy"
+        os.environ["FLA_CACHE_MODE"] = "full"
         os.environ["FLA_CONFIG_DIR"] = str(configs)
 
 
@@ -74,7 +77,8 @@ def _require_fla():
 
 
 def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(cu_seqlens [N+1] int32 over the flattened rows, each row's first and last sequence)."""
+    """(cu_seqlens [N+1] int32 over the flattened rows, each row's first and last sequence,
+    each token's row within its chunk [B, T]: fla's chunks restart at every sequence start)."""
     batch, seq_len = doc.shape
     starts = torch.ones_like(doc, dtype=torch.bool)
     starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
@@ -83,15 +87,26 @@ def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     seq_of_token = starts.flatten().cumsum(0) - 1
     row_first = seq_of_token[torch.arange(batch, device=doc.device) * seq_len]
     row_last = seq_of_token[torch.arange(1, batch + 1, device=doc.device) * seq_len - 1]
-    return cu_seqlens, row_first, row_last
+    t = torch.arange(seq_len, device=doc.device)
+    seq_start = torch.cummax(torch.where(starts, t, 0), dim=1).values
+    return cu_seqlens, row_first, row_last, (t - seq_start) % CHUNK
+
+
+def _chunk_lower(a: Tensor, chunk_row: Tensor) -> Tensor:
+    """fla's per-chunk matrices a [B, T, H, C] with the entries right of each row's diagonal
+    zeroed. fla writes the lower triangles only and leaves the rest as `torch.empty` found it;
+    zeroed, the op's outputs are defined values (opcheck compares eager and compiled outputs,
+    and found such leftovers differ). chunk_row: each token's row in its chunk, [T] or [B, T]."""
+    keep = chunk_row[..., None] >= torch.arange(CHUNK, device=a.device)
+    return a.masked_fill_(~keep.unsqueeze(-2), 0)
 
 
 # The last document layout computed, with the doc tensor it came from (held, so the object
 # cannot be freed and another take its place).
-_last_layout: tuple[Tensor, int, tuple[Tensor, Tensor, Tensor]] | None = None
+_last_layout: tuple[Tensor, int, tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
 
 
-def document_sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def document_sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`_sequences(doc)`, reused while the same, unmodified doc tensor comes back.
 
     Every KDA layer of a step, forward and backward, receives the model's one doc_ids tensor,
@@ -150,7 +165,11 @@ def fla_kda_fwd(
     fwd, _, prepare_chunk_indices = _require_fla()
     varlen = doc is not None
     # The document layout: one host sync (nonzero) a step, shared by every call (see above).
-    cu_seqlens, row_first, row_last = document_sequences(doc) if varlen else (None, None, None)
+    if varlen:
+        cu_seqlens, row_first, row_last, chunk_row = document_sequences(doc)
+    else:
+        cu_seqlens = row_first = row_last = None
+        chunk_row = torch.arange(q.shape[1], device=q.device) % CHUNK
     if initial_state is not None and varlen:
         initial_state = _per_sequence(initial_state, row_first, cu_seqlens)
     o, final, g_cumsum, A_qk, A_kk, *_ = fwd(
@@ -163,8 +182,8 @@ def fla_kda_fwd(
         final = final[row_last]
     final = final.float() if output_final_state else q.new_empty(0, dtype=torch.float32)
     g_cumsum = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum.view(g.shape)
-    return (o.view(v.shape).to(q.dtype), final, A_qk.view(*k.shape[:3], CHUNK),
-            A_kk.view(*k.shape[:3], CHUNK), g_cumsum)
+    A_qk, A_kk = (_chunk_lower(a.view(*k.shape[:3], CHUNK), chunk_row) for a in (A_qk, A_kk))
+    return o.view(v.shape).to(q.dtype), final, A_qk, A_kk, g_cumsum
 
 
 @fla_kda_fwd.register_fake
@@ -203,7 +222,8 @@ def fla_kda_bwd(
     _, bwd, prepare_chunk_indices = _require_fla()
     varlen = doc is not None
     fused = A_log is not None
-    cu_seqlens, row_first, row_last = document_sequences(doc) if varlen else (None, None, None)
+    cu_seqlens, row_first, row_last, _ = (document_sequences(doc) if varlen
+                                          else (None, None, None, None))
     h0, dht = initial_state, d_final
     if varlen:
         h0 = None if h0 is None else _per_sequence(h0, row_first, cu_seqlens)
