@@ -15,9 +15,9 @@ import time
 import torch
 
 from titan_moe.cli_args import positive
-from titan_moe.generate import Sampling, Session
 from titan_moe.model.args import apply_overrides, get_flavor
 from titan_moe.model.model import TitanMoE
+from titan_moe.serve.generate import Sampling, Session
 
 TINY = {"vocab_size": 256, "dim": 64, "n_layers": 4, "mla_layers": [2, 4], "dense_hidden": 64,
         "n_heads": 2, "head_dim": 16, "kda_gate_rank": 16, "mla_n_heads": 2, "q_lora_rank": 32,

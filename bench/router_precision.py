@@ -26,10 +26,10 @@ from report import write_json
 from timing import timed
 
 from titan_moe.cli_args import non_negative, positive
+from titan_moe.data.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.router import Router
-from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 
 
 def bf16_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

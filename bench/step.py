@@ -37,12 +37,12 @@ from timing import device_profile, timed
 from compile_passes.registry import PASS_NAMES
 from titan_moe.cli_args import non_negative, positive, positive_float
 from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_document
+from titan_moe.data.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.flops import flops_per_token
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
 from titan_moe.parallel.parallelize import apply_compile
-from titan_moe.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
 
 MODES = {"eager": None, "compiled": [], "compiled+passes": list(PASS_NAMES)}
 ANCHOR = "torchtitan"

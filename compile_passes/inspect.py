@@ -3,10 +3,11 @@
     python -m compile_passes.inspect --config configs/debug.toml --block mla --out /tmp/mla
     python -m compile_passes.inspect ... --passes situ_glu attn_res   # or --passes: none
 
-The block is built from the TOML exactly as `titan_moe.params` builds the model, initialised, and
-run forward + backward `--steps` times under `torch.compile(fullgraph=False)`, so graph breaks are
-recorded instead of raised. Our Inductor passes are the TOML's `compile.passes` (all of them by
-default, as in training) unless `--passes` names others; the summary counts their matches.
+The block is built from the TOML exactly as `titan_moe.plan.params` builds the model,
+initialised, and run forward + backward `--steps` times under `torch.compile(fullgraph=False)`, so
+graph breaks are recorded instead of raised. Our Inductor passes are the TOML's `compile.passes`
+(all of them by default, as in training) unless `--passes` names others; the summary counts their
+matches.
 Every artefact comes from a hook that exists in torch 2.11 and 2.13:
 
     pre-grad graph    a dynamo backend that prints each captured GraphModule, then hands it to
@@ -53,7 +54,7 @@ from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import DecoderLayer, TitanMoE
-from titan_moe.params import args_from_toml
+from titan_moe.plan.params import args_from_toml
 
 BLOCKS = ("kda", "mla", "moe", "attnres", "model")
 ATTN_RES_SOURCES = 3

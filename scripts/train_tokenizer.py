@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_moe.data.corpus import iter_documents, list_data_files, resolve_split  # noqa: E402
 from titan_moe.data.pystdlib import prepare_pystdlib  # noqa: E402
-from titan_moe.tokenizer import SPECIAL_TOKENS, TitanTokenizer, reserved_token  # noqa: E402
+from titan_moe.data.tokenizer import SPECIAL_TOKENS, TitanTokenizer, reserved_token  # noqa: E402
 
 DEFAULT_DATA = Path("data/pystdlib")
 

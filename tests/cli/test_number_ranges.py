@@ -24,12 +24,13 @@ def _main(target: str):
 
 
 @pytest.mark.parametrize("target, argv, option", [
-    ("titan_moe.plan", ["--config", "configs/debug.toml", "--gpus", "0"], "--gpus"),
-    ("titan_moe.plan", ["--config", "configs/debug.toml", "--gpu-mem", "-1"], "--gpu-mem"),
-    ("titan_moe.generate", ["--checkpoint", "x", "--prompt", "a", "--top-p", "1.5"], "--top-p"),
-    ("titan_moe.generate", ["--checkpoint", "x", "--prompt", "a", "--temperature", "-1"],
+    ("titan_moe.plan.memory", ["--config", "configs/debug.toml", "--gpus", "0"], "--gpus"),
+    ("titan_moe.plan.memory", ["--config", "configs/debug.toml", "--gpu-mem", "-1"], "--gpu-mem"),
+    ("titan_moe.serve.generate", ["--checkpoint", "x", "--prompt", "a", "--top-p", "1.5"],
+     "--top-p"),
+    ("titan_moe.serve.generate", ["--checkpoint", "x", "--prompt", "a", "--temperature", "-1"],
      "--temperature"),
-    ("titan_moe.generate", ["--checkpoint", "x", "--prompt", "a", "--max-new-tokens", "0"],
+    ("titan_moe.serve.generate", ["--checkpoint", "x", "--prompt", "a", "--max-new-tokens", "0"],
      "--max-new-tokens"),
     ("bench/step.py", ["--iters", "0"], "--iters"),
     ("bench/kda.py", ["--warmup", "-1"], "--warmup"),

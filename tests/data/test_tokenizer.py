@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from torchtitan.config import JobConfig
 
-from titan_moe.tokenizer import (
+from titan_moe.data.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     IMAGE_TOKEN,

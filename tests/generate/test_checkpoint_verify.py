@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_moe.generate import load_model
+from titan_moe.serve.generate import load_model
 from titan_moe.train.checkpoint_verify import CheckpointError, ModelArgsMismatch, write_manifest
 
 

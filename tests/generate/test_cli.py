@@ -1,11 +1,11 @@
-"""`python -m titan_moe.generate` loads a DCP checkpoint and prints prompt + completion; the same
-checkpoint through the Python API gives the same greedy text."""
+"""`python -m titan_moe.serve.generate` loads a DCP checkpoint and prints prompt + completion;
+the same checkpoint through the Python API gives the same greedy text."""
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_moe.generate import Generator, Sampling, load_model, main, model_args_from_toml
-from titan_moe.tokenizer import TitanTokenizer, asset_path
+from titan_moe.data.tokenizer import TitanTokenizer, asset_path
+from titan_moe.serve.generate import Generator, Sampling, load_model, main, model_args_from_toml
 
 
 def _write_checkpoint(tmp_path, make_model, overrides):

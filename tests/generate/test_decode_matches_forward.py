@@ -9,7 +9,7 @@ largest logit.
 import pytest
 import torch
 
-from titan_moe.generate import Generator, Sampling, Session
+from titan_moe.serve.generate import Generator, Sampling, Session
 
 RTOL = 1e-4
 

@@ -5,7 +5,7 @@ is over 4 of them), temperature 0 = argmax, stop tokens and batch independence."
 import pytest
 import torch
 
-from titan_moe.generate import Generator, Sampling, sample, top_p_filter
+from titan_moe.serve.generate import Generator, Sampling, sample, top_p_filter
 
 DRAWS = 20000
 FREQ_TOL = 0.015

@@ -38,7 +38,7 @@ def test_full_flavor_mla_schedule():
 
 
 def test_params_cli_prints_units():
-    out = subprocess.run([sys.executable, "-m", "titan_moe.params", "--flavor", "full"],
+    out = subprocess.run([sys.executable, "-m", "titan_moe.plan.params", "--flavor", "full"],
                          capture_output=True, text=True, check=True).stdout
     assert "total parameters" in out and "T parameters" in out
     assert "active parameters" in out and "B parameters" in out

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from titan_moe.model.model import TitanMoE
-from titan_moe.plan import (
+from titan_moe.plan.memory import (
     GB,
     HEADROOM,
     ParamCounts,

@@ -7,10 +7,10 @@ import random
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from titan_moe.generate import Generator, Sampling, load_model
 from titan_moe.rl.config import load_rl_config
 from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
 from titan_moe.rl.rollout import rollout
+from titan_moe.serve.generate import Generator, Sampling, load_model
 
 TINY = {"vocab_size": 16, "dim": 64, "n_layers": 2, "mla_layers": [2], "dense_hidden": 64,
         "n_heads": 2, "head_dim": 16, "kda_gate_rank": 16, "mla_n_heads": 2, "q_lora_rank": 32,

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_moe.data.tokenizer import TitanTokenizer, asset_path
 from titan_moe.model.args import VISION_FLAVORS, VisionArgs
-from titan_moe.tokenizer import TitanTokenizer, asset_path
 
 
 @pytest.fixture

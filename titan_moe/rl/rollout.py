@@ -10,8 +10,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from titan_moe.generate import Generator, Sampling
 from titan_moe.rl.env import TOOL_CALL_END, Environment, Episode, StepResult, Tokenizer
+from titan_moe.serve.generate import Generator, Sampling
 
 
 @dataclass

@@ -11,7 +11,7 @@ the KDA state carried). With `rl.freeze_qb = false` the update runs in train mod
 Balancing steps after the optimizer. TensorBoard (output.dump_folder/tb): rl/reward,
 rl/success_rate, rl/trajectory_length, rl/kl, rl/entropy, rl/loss, rl/grad_norm, rl/failures.
 The final model (and every save_interval steps) is written as a DCP checkpoint that
-`python -m titan_moe.generate --checkpoint` reads.
+`python -m titan_moe.serve.generate --checkpoint` reads.
 """
 
 import copy
@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.utils.tensorboard import SummaryWriter
 
-from titan_moe.generate import Generator, Sampling, load_model
+from titan_moe.data.tokenizer import TitanTokenizer, asset_path
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
@@ -37,7 +37,7 @@ from titan_moe.rl.envs.python_exec import PythonExecEnv
 from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
 from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs
 from titan_moe.rl.rollout import Trajectory, rollout
-from titan_moe.tokenizer import TitanTokenizer, asset_path
+from titan_moe.serve.generate import Generator, Sampling, load_model
 from titan_moe.train.optimizer import all_reduce_qb_stats
 
 

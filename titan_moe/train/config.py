@@ -39,9 +39,9 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 from compile_passes.registry import PASS_NAMES, check_pass_names
 from titan_moe.config_types import cli_values_match, type_name, value_matches
+from titan_moe.data.tokenizer import ASSETS_DIR
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
-from titan_moe.tokenizer import ASSETS_DIR
 
 MODEL_NAME = "titan_moe"
 # gloo ranks beyond two per core only oversubscribe the machine.

@@ -176,11 +176,11 @@ def build_dataloader(
 
 def titan_moe_train_spec() -> TrainSpec:
     """Our TrainSpec; imports the model, data and tokenizer modules only when called."""
+    from titan_moe.data.tokenizer import build_tokenizer
     from titan_moe.model.args import FLAVORS
     from titan_moe.model.flops import CountedTitanMoEArgs
     from titan_moe.model.model import TitanMoE
     from titan_moe.parallel.parallelize import parallelize_titan_moe
-    from titan_moe.tokenizer import build_tokenizer
 
     return TrainSpec(
         model_cls=TitanMoE,

@@ -33,7 +33,7 @@ SPECIAL_TOKENS = [
     *(f"<|reserved_{i}|>" for i in range(10)),
 ]
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 FLAVOR_VOCAB_SIZE = {"debug": 4096, "proxy": 32768, "full": 163840}
 
 

@@ -1,6 +1,6 @@
 """Generate text from a titan_moe checkpoint: chunked prefill, then one token at a time.
 
-    python -m titan_moe.generate --checkpoint outputs/debug/checkpoint --prompt "def add(" \
+    python -m titan_moe.serve.generate --checkpoint outputs/debug/checkpoint --prompt "def add(" \
         [--config configs/debug.toml] [--max-new-tokens 64] [--temperature 0.8] [--top-p 0.95] \
         [--stop "<|eos|>"] [--seed 0]
 
@@ -26,10 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_moe.cli_args import in_range, positive
+from titan_moe.data.tokenizer import TitanTokenizer, asset_path
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import CHUNK_SIZE
-from titan_moe.tokenizer import TitanTokenizer, asset_path
 from titan_moe.train.checkpoint_verify import MANIFEST, CheckpointError, verify_checkpoint
 
 

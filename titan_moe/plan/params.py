@@ -1,7 +1,7 @@
 """Print a flavor's total and active parameter counts, built on the meta device.
 
-    python -m titan_moe.params --flavor full
-    python -m titan_moe.params --config configs/proxy.toml
+    python -m titan_moe.plan.params --flavor full
+    python -m titan_moe.plan.params --config configs/proxy.toml
 """
 
 import argparse
