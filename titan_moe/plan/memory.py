@@ -44,6 +44,7 @@ from titan_moe.model import moe as moe_module
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.parallel.fp32_modules import FP32_MODULES
+from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 
 GB = 1e9
 ACT_BYTES = 2  # bf16 activations under FSDP2's bf16 param policy
@@ -298,8 +299,6 @@ def validate(cfg: PlanConfig, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac
-
-    from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 
     if not torch.cuda.is_available():
         raise SystemExit("error: --validate needs a CUDA GPU")

@@ -39,9 +39,11 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 from compile_passes.registry import PASS_NAMES, check_pass_names
 from titan_moe.config_types import cli_values_match, type_name, value_matches
+from titan_moe.data.dataloader import check_data_source
 from titan_moe.data.tokenizer import ASSETS_DIR
-from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
+from titan_moe.model.args import FLAVORS, ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+from titan_moe.train.platform import resolve_device_type
 
 MODEL_NAME = "titan_moe"
 # gloo ranks beyond two per core only oversubscribe the machine.
@@ -314,10 +316,8 @@ def _check_eval(job_config: Any) -> None:
 
 
 def model_args_class(model_name: str) -> type:
-    """The model-args dataclass of a train spec (ours is imported lazily)."""
+    """The model-args dataclass of a train spec."""
     if model_name == MODEL_NAME:
-        from titan_moe.model.args import TitanMoEArgs
-
         return TitanMoEArgs
     return type(next(iter(_train_spec(model_name).model_args.values())))
 
@@ -325,8 +325,6 @@ def model_args_class(model_name: str) -> type:
 def model_flavors(model_name: str) -> dict[str, Any]:
     """The flavor name -> model args mapping of a train spec."""
     if model_name == MODEL_NAME:
-        from titan_moe.model.args import FLAVORS
-
         return FLAVORS
     return dict(_train_spec(model_name).model_args)
 
@@ -520,8 +518,6 @@ def _resolve(cls: type, dotted: str) -> tuple[str, Any]:
 
 
 def _check_semantics(job_config: Any) -> None:
-    from titan_moe.train.platform import resolve_device_type
-
     try:
         device_type = resolve_device_type(job_config.training.device)
     except ValueError as e:
@@ -567,8 +563,6 @@ def _check_semantics(job_config: Any) -> None:
 
 
 def _check_data(job_config: Any) -> None:
-    from titan_moe.data.dataloader import check_data_source
-
     sections = ["training"] + (["validation"] if job_config.validation.enable else [])
     for section in sections:
         config = getattr(job_config, section)

@@ -43,10 +43,24 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import init_logger, logger
 
+from titan_moe.data.multimodal import build_multimodal_dataloader
+from titan_moe.data.tokenizer import build_tokenizer
+from titan_moe.eval.long_context import NeedleSpec, long_context_metrics
+from titan_moe.eval.multimodal import digit_accuracy
+from titan_moe.model.args import FLAVORS
+from titan_moe.model.flops import CountedTitanMoEArgs
+from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.context_parallel import shard_batch
+from titan_moe.parallel.parallelize import parallelize_titan_moe
 from titan_moe.train.checkpoint_verify import VerifiedCheckpoints
 from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
-from titan_moe.train.config import MODEL_NAME, ConfigError, job_model_args, parse_job_config_or_exit
+from titan_moe.train.config import (
+    MODEL_NAME,
+    ConfigError,
+    job_model_args,
+    needle_lengths,
+    parse_job_config_or_exit,
+)
 from titan_moe.train.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
 from titan_moe.train.platform import PlatformTrainer, resolve_device_type, use_platform
 from titan_moe.train.step_guard import FiniteStepGuard, check_finite_weights
@@ -162,8 +176,6 @@ def build_dataloader(
     infinite: bool = True,
 ) -> ParallelAwareDataloader:
     """TrainSpec `build_dataloader_fn`: text, or text + images with the job's vision config."""
-    from titan_moe.data.multimodal import build_multimodal_dataloader
-
     vision = None
     if getattr(job_config.training, "image_data", ""):
         vision = job_model_args(job_config).vision_config()
@@ -175,13 +187,7 @@ def build_dataloader(
 
 
 def titan_moe_train_spec() -> TrainSpec:
-    """Our TrainSpec; imports the model, data and tokenizer modules only when called."""
-    from titan_moe.data.tokenizer import build_tokenizer
-    from titan_moe.model.args import FLAVORS
-    from titan_moe.model.flops import CountedTitanMoEArgs
-    from titan_moe.model.model import TitanMoE
-    from titan_moe.parallel.parallelize import parallelize_titan_moe
-
+    """Our TrainSpec: the model, its flavors with their FLOP count, parallelize, data, tokenizer."""
     return TrainSpec(
         model_cls=TitanMoE,
         model_args={name: CountedTitanMoEArgs(**vars(args)) for name, args in FLAVORS.items()},
@@ -272,17 +278,12 @@ class TitanMoETrainer(PlatformTrainer):
 
     def multimodal_eval(self) -> None:
         """Digit accuracy (eval/multimodal.py) on every rank, logged to TensorBoard."""
-        from titan_moe.eval.multimodal import digit_accuracy
-
         model = self.model_parts[0]
         accuracy = digit_accuracy(model, self.tokenizer, model.vision.args,
                                   self.job_config.multimodal_eval.images, self.device)
         self.metrics_processor.log_multimodal_eval(self.step, accuracy)
 
     def evaluate_long_context(self) -> dict[str, float]:
-        from titan_moe.eval.long_context import NeedleSpec, long_context_metrics
-        from titan_moe.train.config import needle_lengths
-
         eval_config, seq_len = self.job_config.eval, self.job_config.training.seq_len
         spec = NeedleSpec(tuple(needle_lengths(eval_config, seq_len)),
                           tuple(eval_config.needle_depths), eval_config.needle_trials)
