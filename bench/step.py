@@ -49,6 +49,11 @@ ANCHOR = "torchtitan"
 H200_BF16_DENSE_TFLOPS = 989.0
 
 
+def _print_kernels(kernels: list[dict]) -> None:
+    for e in kernels:
+        print(f"  {e['ms']:8.2f} ms {100 * e['share']:5.1f}%  x{e['calls']:<4} {e['kernel'][:80]}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU: debug flavor cut to 2 layers "
@@ -69,8 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=positive_float, default=H200_BF16_DENSE_TFLOPS)
     parser.add_argument("--kda-backend", default="auto", choices=KDA_BACKENDS,
                         help="CUDA kernels of the KDA layers (titan_moe.kda_backend)")
-    parser.add_argument("--profile", action="store_true",
-                        help="CUDA: the 15 largest device-time entries of one step per row")
+    parser.add_argument("--profile", nargs="?", const="table", choices=("table", "trace"),
+                        help="CUDA: device time of one step per row by kernel class, the 15 "
+                        "largest kernels overall and in each class; 'trace' also writes its "
+                        "chrome trace beside --out (trace-<inputs>-<mode, + as ->.json.gz)")
     parser.add_argument("--out", type=Path, default=Path("step.json"))
     opts = parser.parse_args(argv)
     if opts.smoke:
@@ -161,7 +168,10 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
     ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
-    profile = device_profile(step, ms) if opts.profile and device == "cuda" else {}
+    trace = (opts.out.parent / f"trace-{inputs}-{mode.replace('+', '-')}.json.gz"
+             if opts.profile == "trace" else None)
+    profile = (device_profile(step, ms, trace=trace)
+               if opts.profile and device == "cuda" else {})
     n_tokens = batch["input"].numel()
     n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
     tflops = flops * n_tokens / (ms * 1e-3) / 1e12
@@ -210,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             for c in r["profile"]["by_class"]:
                 print(f"  {c['ms']:8.2f} ms {100 * c['share']:5.1f}%  {c['class']}")
             print(f"top device time, {r['inputs']} {r['mode']}:")
-            for e in r["profile"]["top"]:
-                print(f"  {e['ms']:8.2f} ms {100 * e['share']:5.1f}%  x{e['calls']:<4} "
-                      f"{e['kernel'][:80]}")
+            _print_kernels(r["profile"]["top"])
+            for c in r["profile"]["by_class"][:2]:
+                print(f"top of class {c['class']}:")
+                _print_kernels(c["top"][:10])
     write_json(opts.out, opts, rows)
     return 0
 

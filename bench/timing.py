@@ -1,8 +1,12 @@
 """Median wall time of a callable, synchronising CUDA around each sample."""
 
+import gzip
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -38,9 +42,12 @@ def kernel_class(name: str) -> str:
     return next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other aten")
 
 
-def device_profile(fn: Callable[[], object], step_ms: float, top: int = 15) -> dict:
-    """One fn() call under torch.profiler: its `top` largest kernels by device time and the
-    device time of each kernel class (KERNEL_CLASSES), each with its share of step_ms.
+def device_profile(fn: Callable[[], object], step_ms: float, top: int = 15,
+                   trace: Path | None = None) -> dict:
+    """One fn() call under torch.profiler: its `top` largest kernels by device time, the device
+    time of each kernel class (KERNEL_CLASSES) with each share of step_ms, and the `top` largest
+    kernels of each class. trace: also write the chrome trace there, gzipped (where the idle
+    time sits is read off its timeline).
 
     Only kernels count: profiler annotations (the optimizer's `Optimizer.step#...` range) also
     carry device time, but they span kernels already counted.
@@ -49,19 +56,26 @@ def device_profile(fn: Callable[[], object], step_ms: float, top: int = 15) -> d
     with torch.profiler.profile(activities=[activity.CPU, activity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     events = [e for e in prof.key_averages()
               if e.device_type == torch.autograd.DeviceType.CUDA
               and not getattr(e, "is_user_annotation", False) and "#" not in e.key]
     kernels = sorted(({"kernel": e.key, "calls": e.count, "ms": e.device_time_total / 1e3,
-                       "share": e.device_time_total / 1e3 / step_ms} for e in events),
+                       "share": e.device_time_total / 1e3 / step_ms,
+                       "class": kernel_class(e.key)} for e in events),
                      key=lambda r: -r["ms"])
     classes: dict[str, float] = {}
     for k in kernels:
-        name = kernel_class(k["kernel"])
-        classes[name] = classes.get(name, 0.0) + k["ms"]
+        classes[k["class"]] = classes.get(k["class"], 0.0) + k["ms"]
     busy = sum(classes.values())
-    by_class = [{"class": c, "ms": ms, "share": ms / step_ms}
+    by_class = [{"class": c, "ms": ms, "share": ms / step_ms,
+                 "top": [k for k in kernels if k["class"] == c][:top]}
                 for c, ms in sorted(classes.items(), key=lambda x: -x[1])]
     by_class.append({"class": "idle (step minus kernels)", "ms": step_ms - busy,
-                     "share": 1 - busy / step_ms})
+                     "share": 1 - busy / step_ms, "top": []})
     return {"top": kernels[:top], "by_class": by_class}
