@@ -38,7 +38,11 @@ step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 step long_context python3 bench/long_context.py --out "$out/long_context.json"
 step compile python3 bench/compile.py --out "$out/compile.json"
-step train_step python3 bench/step.py --batch 2 --profile --out "$out/step.json"
+step train_step python3 bench/step.py --batch 2 --profile trace --out "$out/step.json"
+# The trainer as users run it: compiled by default; the time to its first step is read off the
+# log (run it first in a fresh machine, without a carried Triton cache, for the cold figure).
+step run_train env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 100 \
+    --checkpoint.no_enable --job.dump_folder "$out/run_train"
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
 step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"

@@ -30,7 +30,6 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
-from float8 import convert_dense_linears, convert_routed_experts
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
 from titan_moe.parallel.context_parallel import apply_context_parallel
@@ -103,6 +102,10 @@ def _apply_float8(model: nn.Module, job_config: JobConfig) -> None:
     cfg = getattr(job_config, "float8", None)
     if cfg is None:
         return
+    # Imported only when asked for: torchao's import prints load failures of its CUDA
+    # extensions (on every machine without them), which every run would otherwise log.
+    from float8 import convert_dense_linears, convert_routed_experts
+
     if cfg.enable:
         convert_dense_linears(model, cfg)
     if cfg.moe:
