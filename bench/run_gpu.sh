@@ -39,6 +39,7 @@ step router_precision python3 bench/router_precision.py --out "$out/router_preci
 step long_context python3 bench/long_context.py --out "$out/long_context.json"
 step compile python3 bench/compile.py --out "$out/compile.json"
 step train_step python3 bench/step.py --batch 2 --profile trace --out "$out/step.json"
+step trace_gaps python3 bench/trace_gaps.py "$out/trace-text-compiled-passes.json.gz"
 # The trainer as users run it: compiled by default; the time to its first step is read off the
 # log (run it first in a fresh machine, without a carried Triton cache, for the cold figure).
 step run_train env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 100 \

@@ -3,25 +3,16 @@
 one that fails at 128 tokens (a real OOM needs a GPU), so this checks the bookkeeping only; the
 step itself is the trainer's loss path, tested in test_chunked_loss.py."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "long_context.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_long_context", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_scripts import load_bench
 
 
 def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatch, capsys):
-    bench = _bench()
+    bench = load_bench("long_context")
     seen = []
 
     def fake_step(model, loss_fn, tokens, labels, doc_ids):
