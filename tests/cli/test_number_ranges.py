@@ -24,8 +24,8 @@ def _main(target: str):
 
 
 @pytest.mark.parametrize("target, argv, option", [
-    ("titan_moe.plan.memory", ["--config", "configs/debug.toml", "--gpus", "0"], "--gpus"),
-    ("titan_moe.plan.memory", ["--config", "configs/debug.toml", "--gpu-mem", "-1"], "--gpu-mem"),
+    ("titan_moe.plan.cli", ["--config", "configs/debug.toml", "--gpus", "0"], "--gpus"),
+    ("titan_moe.plan.cli", ["--config", "configs/debug.toml", "--gpu-mem", "-1"], "--gpu-mem"),
     ("titan_moe.serve.generate", ["--checkpoint", "x", "--prompt", "a", "--top-p", "1.5"],
      "--top-p"),
     ("titan_moe.serve.generate", ["--checkpoint", "x", "--prompt", "a", "--temperature", "-1"],

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from titan_moe.model.model import TitanMoE
+from titan_moe.plan.cli import main
 from titan_moe.plan.memory import (
     GB,
     HEADROOM,
@@ -14,39 +15,9 @@ from titan_moe.plan.memory import (
     estimate,
     fewest_gpus,
     layer_activation_bytes,
-    load_plan_config,
-    main,
     parameter_counts,
     saved_bytes,
 )
-
-TINY_TOML = """
-[model]
-flavor = "debug"
-[titan_moe]
-n_layers = 3
-mla_layers = [3]
-dim = 64
-n_heads = 2
-head_dim = 32
-n_experts = 8
-top_k = 2
-latent_dim = 32
-expert_hidden = 32
-vocab_size = 128
-[training]
-seq_len = 64
-local_batch_size = 2
-[activation_checkpoint]
-mode = "full"
-"""
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_TOML)
-    return load_plan_config(str(path))
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_excluded():

@@ -1,8 +1,8 @@
-"""`python -m titan_moe.plan`: the memory plan (`memory.py`)."""
+"""`python -m titan_moe.plan`: the memory plan (`cli.py`)."""
 
 import sys
 
-from titan_moe.plan.memory import main
+from titan_moe.plan.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,20 +24,15 @@ stand-ins that save what the CUDA kernels save: flash attention (q, k, v, out, f
 the KDA Triton op (its inputs; it recomputes the rest), torch._grouped_mm (its operands).
 """
 
-import argparse
 import contextlib
-import json
 import math
-import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-from titan_moe.cli_args import positive, positive_float
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import moe as moe_module
@@ -69,6 +64,8 @@ class ParamCounts:
     output: int
     largest_layer_dense: int
     largest_layer_experts: int
+    layer_dense: tuple[int, ...] = ()  # per decoder layer (pipeline stages are cut from these)
+    layer_experts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +118,8 @@ def parameter_counts(args: TitanMoEArgs) -> ParamCounts:
         output=model.output.weight.numel(),
         largest_layer_dense=max(dense_per_layer),
         largest_layer_experts=max(experts_per_layer),
+        layer_dense=tuple(dense_per_layer),
+        layer_experts=tuple(experts_per_layer),
     )
 
 
@@ -206,14 +205,20 @@ def _checkpointed(cfg: PlanConfig, layer_id: int) -> bool:
     return False
 
 
-def activation_bytes(cfg: PlanConfig) -> float:
-    """Saved for backward at its start, the loss's buffers, and one layer's recompute."""
-    args, b, t = cfg.args, cfg.local_batch, cfg.seq_len
+def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | None = None,
+                     loss: bool = True, held: float = 1) -> float:
+    """Saved for backward at its start, the loss's buffers, and one layer's recompute: of the
+    whole model at the local batch, or of `layers` (a pipeline stage, with the loss if it is
+    the last) at `batch` rows (a micro-batch), the saved part for `held` micro-batches at once
+    (the loss and the recompute are one micro-batch's at a time)."""
+    args, t = cfg.args, cfg.seq_len
+    b = cfg.local_batch if batch is None else batch
+    layers = range(args.n_layers) if layers is None else layers
     stream = b * t * args.dim * ACT_BYTES
     # A layer's saved bytes depend on its kind and on how many AttnRes sources it reads.
     per_kind: dict[tuple[bool, bool, int], int] = {}
     saved, recompute = 0.0, 0
-    for i in range(args.n_layers):
+    for i in layers:
         kind = (args.is_mla(i), args.is_moe(i), i // args.attn_res_block_size)
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
@@ -222,13 +227,13 @@ def activation_bytes(cfg: PlanConfig) -> float:
         else:
             saved += per_kind[kind]
     # Every layer's incoming partial sum stays alive (it is the checkpoint input, or a block).
-    saved += args.n_layers * stream
-    loss = 12 * b * t * args.vocab_size
+    saved += len(layers) * stream
+    loss_bytes = 12 * b * t * args.vocab_size if loss else 0
     # With AC, backward holds one layer's recomputed activations plus the gradients of the
     # residual sources it feeds (one per block, and the partial sum).
-    n_blocks = math.ceil(args.n_layers / args.attn_res_block_size)
+    n_blocks = math.ceil(layers.stop / args.attn_res_block_size)
     backward = recompute + (n_blocks + 1) * stream if recompute else 0
-    return saved + loss + backward
+    return held * saved + loss_bytes + backward
 
 
 def estimate(cfg: PlanConfig, gpus: int, ep: int, counts: ParamCounts | None = None,
@@ -331,35 +336,3 @@ def validate(cfg: PlanConfig, steps: int) -> dict:
     print(f"measured peak {measured / GB:.2f} GB, planned {planned.peak / GB:.2f} GB, "
           f"planned / measured = {result['ratio']:.3f} (target within 0.85 .. 1.15)")
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a titan_moe TOML")
-    parser.add_argument("--gpus", type=positive, default=8, help="GPUs of the layouts to print")
-    parser.add_argument("--gpu-mem", type=positive_float, default=141.0,
-                        help="GB per GPU (H200: 141)")
-    parser.add_argument("--validate", action="store_true",
-                        help="measure the config's peak on one CUDA GPU against the plan")
-    parser.add_argument("--steps", type=positive, default=3, help="training steps for --validate")
-    parser.add_argument("--out", type=Path, help="write the result as JSON")
-    ns = parser.parse_args(argv)
-    try:
-        cfg = load_plan_config(ns.config)
-    except (OSError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if ns.validate:
-        result = validate(cfg, ns.steps)
-        ok = 0.85 <= result["ratio"] <= 1.15
-    else:
-        result = {"layouts": [asdict(e) for e in print_plan(cfg, ns.gpus, ns.gpu_mem)]}
-        ok = True
-    if ns.out:
-        ns.out.parent.mkdir(parents=True, exist_ok=True)
-        ns.out.write_text(json.dumps(result, indent=2))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
