@@ -189,7 +189,9 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
         for module in layer.modules():
             if isinstance(module, FP32_MODULES):
                 module.float()
-        n_sources = layer_id // args.attn_res_block_size + 1
+        # Entering layer i: the embedding and every finished block (ceil(i / S) of them), then
+        # the partial sum (model/model.py; plan/pipeline.boundary_tensors).
+        n_sources = math.ceil(layer_id / args.attn_res_block_size) + 1
         sources = [torch.empty(batch, seq_len, args.dim, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(n_sources)]
     params = list(layer.parameters())
@@ -219,7 +221,7 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
     per_kind: dict[tuple[bool, bool, int], int] = {}
     saved, recompute = 0.0, 0
     for i in layers:
-        kind = (args.is_mla(i), args.is_moe(i), i // args.attn_res_block_size)
+        kind = (args.is_mla(i), args.is_moe(i), math.ceil(i / args.attn_res_block_size))
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
         if _checkpointed(cfg, i):
