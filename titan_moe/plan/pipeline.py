@@ -1,22 +1,11 @@
 """Pipeline parallelism on paper: stages cut on Block AttnRes boundaries, what crosses a cut, the
 bubble of a schedule, and the per-GPU memory of the fullest stage.
 
-What crosses a cut. Entering decoder layer i the model holds `blocks` (the embedding, then every
-completed block's sum) and `partial` (the sum of the current block so far; at a block's first
-layer, the block just completed), each [b, T, d] (model/model.py). So a cut before layer i sends
-
-    n(i) = ceil(i / S) + 1 tensors of [b, T, d]         (S = attn_res_block_size)
-
-forward, and their gradients back: ceil(i / S) + 1 at a block boundary (i a multiple of S), one
-more inside a block, where the unfinished block's partial sum travels with the finished ones.
-Every hidden state of the layers before the cut stays behind; that is the design's argument for
-blocks as pipeline units.
-
-Stages. Layers are split into pp contiguous stages that balance parameters (the embedding and the
-vision tower count on the first stage, the head on the last), cutting only on block boundaries
-while there are at least pp blocks, and between any two layers beyond that. (The plan puts the
-few parameters of the final AttnRes site and norm with the first stage's extras; in training
-they sit with the head.)
+What crosses a cut and where the cuts go are the runtime's (`parallel/pipeline.py`): a cut
+before layer i sends ceil(i / S) + 1 tensors of [b, T, d] (the embedding, the finished blocks'
+sums and the current partial sum), and stages balance parameters, cut on AttnRes block
+boundaries while there are at least pp blocks. (The plan weighs the final AttnRes site and
+norm, a few thousand parameters, with the first stage's extras; the runtime with the head.)
 
 Schedules (m micro-batches, v virtual stages a rank for the interleaved one). Idle fraction of a
 step, and the micro-batches whose activations a stage holds at its peak (1F1B: stage s holds
@@ -34,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from titan_moe.model.args import TitanMoEArgs
+from titan_moe.parallel.pipeline import balanced_stages, boundary_tensors
 from titan_moe.plan.memory import (
     ACT_BYTES,
     Estimate,
@@ -48,54 +38,21 @@ from titan_moe.plan.memory import (
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
-def boundary_tensors(args: TitanMoEArgs, layer: int) -> int:
-    """[b, T, d] tensors entering decoder layer `layer` (0-based) from the layers before it."""
-    return math.ceil(layer / args.attn_res_block_size) + 1
-
-
 def boundary_bytes(args: TitanMoEArgs, layer: int, microbatch: int, seq_len: int) -> int:
     """Bytes a cut before `layer` sends forward per micro-batch (the same come back as
     gradients), in the activations' bf16."""
-    return boundary_tensors(args, layer) * microbatch * seq_len * args.dim * ACT_BYTES
+    return (boundary_tensors(args.attn_res_block_size, layer) * microbatch * seq_len
+            * args.dim * ACT_BYTES)
 
 
 def stage_layers(counts: ParamCounts, args: TitanMoEArgs, pp: int) -> list[range]:
-    """pp contiguous stages of the decoder layers with the smallest largest stage (by
-    parameters), cut on AttnRes block boundaries when there are at least pp blocks."""
-    n = args.n_layers
-    if not 1 <= pp <= n:
-        raise ValueError(f"pipeline_parallel_degree = {pp}: must be in [1, n_layers = {n}]")
-    size = args.attn_res_block_size
-    cuts = [i for i in range(1, n) if i % size == 0]
-    if len(cuts) + 1 < pp:
-        cuts = list(range(1, n))
-    weight = [d + e for d, e in zip(counts.layer_dense, counts.layer_experts, strict=True)]
-    others = counts.total - sum(weight) - counts.embedding - counts.output
-    prefix = [0]
-    for w in weight:
-        prefix.append(prefix[-1] + w)
-
-    def cost(a: int, b: int) -> int:  # layers a..b-1, with the ends' extra parameters
-        extra = (counts.embedding + others if a == 0 else 0) + (counts.output if b == n else 0)
-        return prefix[b] - prefix[a] + extra
-
-    points = [0, *cuts, n]
-    # best[k][j]: the smallest largest stage covering layers 0..points[j]-1 in k stages.
-    best = [[math.inf] * len(points) for _ in range(pp + 1)]
-    back = [[0] * len(points) for _ in range(pp + 1)]
-    best[0][0] = 0
-    for k in range(1, pp + 1):
-        for j in range(1, len(points)):
-            for i in range(j):
-                value = max(best[k - 1][i], cost(points[i], points[j]))
-                if value < best[k][j]:
-                    best[k][j], back[k][j] = value, i
-    stages, j = [], len(points) - 1
-    for k in range(pp, 0, -1):
-        i = back[k][j]
-        stages.append(range(points[i], points[j]))
-        j = i
-    return stages[::-1]
+    """The runtime's stages (`parallel.pipeline.balanced_stages`) from the plan's counts: the
+    embedding and the rest (vision tower, final site, norm) weigh on the first stage, the head
+    on the last."""
+    weights = [d + e for d, e in zip(counts.layer_dense, counts.layer_experts, strict=True)]
+    others = counts.total - sum(weights) - counts.embedding - counts.output
+    return balanced_stages(weights, args.attn_res_block_size, pp,
+                           counts.embedding + others, counts.output)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 2) -> float:

@@ -1,0 +1,105 @@
+"""Pipeline stages (titan_moe/parallel/pipeline.py), in one process: what crosses a cut against
+the model's own forward, the cuts against brute force, and the stages chained against the
+whole model (outputs and every parameter's gradient, float32, bit for bit: the stages run the
+model's own modules in the model's order)."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from titan_moe.model.args import get_flavor
+from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.pipeline import (
+    StageModule,
+    balanced_stages,
+    boundary_tensors,
+    model_stages,
+    split_into_stages,
+)
+
+
+def _model(**overrides) -> TitanMoE:
+    torch.manual_seed(0)
+    model = TitanMoE(dataclasses.replace(get_flavor("debug"), **overrides))
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_boundary_tensors_are_what_the_model_carries_into_each_layer(block_size):
+    """The model's own forward, layer by layer: len(blocks) + the partial sum entering layer i."""
+    model = _model(attn_res_block_size=block_size)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 8))
+    blocks, partial = [], model.tok_embeddings(tokens)
+    for i, layer in enumerate(model.layers.values()):
+        assert boundary_tensors(block_size, i) == len(blocks) + 1, i
+        blocks, partial = layer(blocks, partial, None)
+
+
+def _brute_force(weights, first, last, pp, allowed):
+    """The smallest largest stage over every choice of pp - 1 cuts among `allowed`."""
+    n, best = len(weights), None
+    for cuts in itertools.combinations(allowed, pp - 1):
+        edges = [0, *cuts, n]
+        stages = [sum(weights[a:b]) + (first if a == 0 else 0) + (last if b == n else 0)
+                  for a, b in itertools.pairwise(edges)]
+        best = max(stages) if best is None else min(best, max(stages))
+    return best
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 6])
+def test_stages_are_balanced_and_cut_on_blocks_while_there_are_enough(pp):
+    weights, first, last = [5, 9, 2, 7, 7, 3, 8, 1], 6, 4  # 8 layers in 4 blocks of 2
+    stages = balanced_stages(weights, 2, pp, first, last)
+    assert len(stages) == pp and stages[0].start == 0 and stages[-1].stop == 8
+    assert all(a.stop == b.start and len(a) > 0 for a, b in itertools.pairwise(stages))
+    allowed = [2, 4, 6] if pp <= 4 else list(range(1, 8))
+    assert {s.start for s in stages[1:]} <= set(allowed)
+    largest = max(sum(weights[s.start:s.stop]) + (first if s.start == 0 else 0)
+                  + (last if s.stop == 8 else 0) for s in stages)
+    assert largest == _brute_force(weights, first, last, pp, allowed)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree = 9: must be in \[1, "):
+        balanced_stages(weights, 2, 9)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 8])
+def test_stages_chained_equal_the_model_outputs_and_gradients(pp):
+    model = _model()  # 8 layers (6 KDA, 2 MLA) in AttnRes blocks of 2, MoE from layer 1
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32))
+    doc_ids = torch.cat([torch.zeros(2, 12), torch.ones(2, 20)], 1).int()
+    want = model(tokens, doc_ids)
+    want.square().mean().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    stages = split_into_stages(model, model_stages(model, pp))
+    assert [s.start for s in model_stages(model, pp)][0] == 0 and len(stages) == pp
+    carried = (tokens, doc_ids)
+    for stage in stages[:-1]:
+        carried = stage(*carried)
+        assert len(carried) == 1 + boundary_tensors(2, stage_end(stage))  # doc_ids + tensors
+    got = stages[-1](*carried)
+    assert torch.equal(got, want)
+    got.square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+    # Parameter names stay the model's (the checkpoint's keys): layers.<i>. ...
+    names = {n for s in stages for n, _ in s.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+def stage_end(stage: StageModule) -> int:
+    return max(int(i) for i in stage.layers) + 1
+
+
+def test_bad_stages_are_one_error():
+    model = _model()
+    with pytest.raises(ValueError, match="must cover layers 0..7 in order"):
+        split_into_stages(model, [range(0, 3), range(4, 8)])
+    vision = _model(vision="debug")
+    with pytest.raises(ValueError, match="titan_moe.vision must be 'none'"):
+        StageModule(vision, range(0, 4))

@@ -1,0 +1,122 @@
+"""Pipeline stages of a TitanMoE, cut on Block AttnRes boundaries.
+
+What crosses a cut. Entering decoder layer i the model holds `blocks` (the embedding, then every
+finished block's sum: ceil(i / S) tensors, S = attn_res_block_size) and `partial` (the current
+block's sum so far; at a block's first layer, the block just finished), each [b, T, d]
+(model/model.py). A stage before layer i therefore sends ceil(i / S) + 1 tensors forward (and
+their gradients back): at a block boundary, the finished blocks; inside a block, one more, the
+unfinished block's partial sum. Every hidden state of the layers before the cut stays behind,
+which is why blocks make good pipeline units.
+
+`balanced_stages` places the cuts; `StageModule` runs one stage's share of the model's forward,
+its modules shared with the model (so parameter names, the checkpoint's keys, are the model's:
+`layers.<i>....`). Stage inputs and outputs are flat tuples of tensors, as
+`torch.distributed.pipelining` passes them between ranks: the first stage takes
+(tokens, doc_ids), every later one (doc_ids, *blocks, partial); the last returns the logits.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from titan_moe.model.model import TitanMoE
+
+
+def boundary_tensors(block_size: int, layer: int) -> int:
+    """[b, T, d] tensors entering decoder layer `layer` (0-based) from the layers before it."""
+    return math.ceil(layer / block_size) + 1
+
+
+def balanced_stages(weights: Sequence[int], block_size: int, pp: int, first_extra: int = 0,
+                    last_extra: int = 0) -> list[range]:
+    """pp contiguous stages of the layers (per-layer `weights`, plus the extras the first and
+    last stage hold) whose largest stage is smallest, cut only on block boundaries when there
+    are at least pp blocks, between any two layers otherwise."""
+    n = len(weights)
+    if not 1 <= pp <= n:
+        raise ValueError(f"pipeline_parallel_degree = {pp}: must be in [1, n_layers = {n}]")
+    cuts = [i for i in range(1, n) if i % block_size == 0]
+    if len(cuts) + 1 < pp:
+        cuts = list(range(1, n))
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def cost(a: int, b: int) -> int:
+        return (prefix[b] - prefix[a] + (first_extra if a == 0 else 0)
+                + (last_extra if b == n else 0))
+
+    points = [0, *cuts, n]
+    # best[k][j]: the smallest largest stage covering layers 0 .. points[j] - 1 in k stages.
+    best = [[math.inf] * len(points) for _ in range(pp + 1)]
+    back = [[0] * len(points) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for k in range(1, pp + 1):
+        for j in range(1, len(points)):
+            for i in range(j):
+                value = max(best[k - 1][i], cost(points[i], points[j]))
+                if value < best[k][j]:
+                    best[k][j], back[k][j] = value, i
+    stages, j = [], len(points) - 1
+    for k in range(pp, 0, -1):
+        i = back[k][j]
+        stages.append(range(points[i], points[j]))
+        j = i
+    return stages[::-1]
+
+
+def model_stages(model: TitanMoE, pp: int) -> list[range]:
+    """`balanced_stages` by parameter count: the embedding (and vision tower) weigh on the first
+    stage, the final site, norm and head on the last."""
+    def count(*modules: nn.Module | None) -> int:
+        return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+
+    weights = [count(layer) for layer in model.layers.values()]
+    first = count(model.tok_embeddings, model.vision)
+    last = count(model.final_site, model.norm, model.output)
+    return balanced_stages(weights, model.args.attn_res_block_size, pp, first, last)
+
+
+class StageModule(nn.Module):
+    """Layers `layers` of `model` (with the embedding on the first stage and the final AttnRes
+    site, norm and head on the last) as one pipeline stage."""
+
+    def __init__(self, model: TitanMoE, layers: range) -> None:
+        super().__init__()
+        if model.vision is not None:
+            raise ValueError("pipeline stages of a model with a vision tower are not supported "
+                             "yet (titan_moe.vision must be 'none')")
+        n = model.args.n_layers
+        if not 0 <= layers.start < layers.stop <= n:
+            raise ValueError(f"stage layers {layers}: must be a non-empty part of 0..{n - 1}")
+        self.first, self.last = layers.start == 0, layers.stop == n
+        self.tok_embeddings = model.tok_embeddings if self.first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        self.final_site = model.final_site if self.last else None
+        self.norm = model.norm if self.last else None
+        self.output = model.output if self.last else None
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.first:
+            tokens, doc_ids = inputs
+            blocks, partial = [], self.tok_embeddings(tokens)
+        else:
+            doc_ids, *blocks, partial = inputs
+        for layer in self.layers.values():
+            blocks, partial = layer(blocks, partial, doc_ids)
+        if self.last:
+            return self.output(self.norm(self.final_site(blocks + [partial])))
+        return (doc_ids, *blocks, partial)
+
+
+def split_into_stages(model: TitanMoE, stages: Sequence[range]) -> list[StageModule]:
+    """One StageModule per range (contiguous, covering every layer once)."""
+    n = model.args.n_layers
+    joined = all(a.stop == b.start for a, b in zip(stages, stages[1:], strict=False))
+    if not (stages and joined and stages[0].start == 0 and stages[-1].stop == n
+            and all(len(s) > 0 for s in stages)):
+        raise ValueError(f"stages {list(stages)} must cover layers 0..{n - 1} in order, each "
+                         "non-empty")
+    return [StageModule(model, s) for s in stages]
