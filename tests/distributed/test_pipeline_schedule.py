@@ -1,0 +1,89 @@
+"""Two gloo processes run torch.distributed.pipelining's Schedule1F1B over our StageModules (cut
+on an AttnRes block boundary): each micro-batch's loss and every parameter's gradient equal one
+process running the whole model on the same micro-batches, float32, bit for bit. This checks
+the stages' input/output protocol against torch's pipelining (what the trainer's pipelining will
+build on); the trainer does not run pipelines yet."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from tests.distributed.harness import tiny_args
+from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.pipeline import model_stages, split_into_stages
+
+MICROBATCHES, ROWS, SEQ = 2, 4, 32
+
+
+def _model() -> TitanMoE:
+    torch.manual_seed(0)
+    model = TitanMoE(tiny_args())
+    model.init_weights()
+    return model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (ROWS, SEQ + 1), generator=gen)
+    doc_ids = torch.cat([torch.zeros(ROWS, 12), torch.ones(ROWS, SEQ - 12)], 1).int()
+    return tokens[:, :-1], doc_ids, tokens[:, 1:]
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model()
+    tokens, doc_ids, labels = _batch()
+    losses = []
+    for part in zip(*(x.chunk(MICROBATCHES) for x in (tokens, doc_ids, labels)), strict=True):
+        loss = _loss(model(part[0], part[1]), part[2])
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    want_losses, want_grads = _reference()
+    model = _model()
+    stages = model_stages(model, 2)
+    assert stages[1].start % model.args.attn_res_block_size == 0  # cut on a block boundary
+    stage = PipelineStage(split_into_stages(model, stages)[rank], rank, 2, torch.device("cpu"))
+    # scale_grads=False: the loss is a sum, as the trainer's; by default torch divides every
+    # gradient by the number of micro-batches.
+    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=_loss,
+                            scale_grads=False)
+    tokens, doc_ids, labels = _batch()
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(tokens, doc_ids)
+    else:
+        schedule.step(target=labels, losses=losses)
+        assert [loss.item() for loss in losses] == want_losses
+    held = dict(split_into_stages(model, stages)[rank].named_parameters())
+    assert held, "a stage without parameters"
+    for name, param in held.items():
+        assert torch.equal(param.grad, want_grads[name]), name
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_stage_1f1b_equals_one_process():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
