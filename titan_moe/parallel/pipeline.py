@@ -12,7 +12,8 @@ which is why blocks make good pipeline units.
 its modules shared with the model (so parameter names, the checkpoint's keys, are the model's:
 `layers.<i>....`). Stage inputs and outputs are flat tuples of tensors, as
 `torch.distributed.pipelining` passes them between ranks: the first stage takes
-(tokens, doc_ids), every later one (doc_ids, *blocks, partial); the last returns the logits.
+(tokens, doc_ids) (or doc_ids by keyword, as torchtitan's trainer passes a batch's extra
+inputs), every later one (doc_ids, *blocks, partial); the last returns the logits.
 """
 
 import math
@@ -98,9 +99,11 @@ class StageModule(nn.Module):
         self.norm = model.norm if self.last else None
         self.output = model.output if self.last else None
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.first:
-            tokens, doc_ids = inputs
+    def forward(self, *inputs: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.first:  # (tokens, doc_ids), or doc_ids by keyword as torchtitan passes it
+            tokens, *rest = inputs
+            doc_ids = rest[0] if rest else doc_ids
             blocks, partial = [], self.tok_embeddings(tokens)
         else:
             doc_ids, *blocks, partial = inputs
