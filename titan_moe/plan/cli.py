@@ -15,14 +15,14 @@ from pathlib import Path
 from titan_moe.cli_args import positive, positive_float
 from titan_moe.model.args import ConfigError
 from titan_moe.plan.memory import GB, PlanConfig, load_plan_config, print_plan, validate
-from titan_moe.plan.pipeline import SCHEDULES, fewest_gpus_with_pp
+from titan_moe.plan.pipeline import SCHEDULES, fewest_gpus_with_pp, step_microbatches
 
 
 def print_pipeline_plans(cfg: PlanConfig, gpu_mem_gb: float, degrees: list[int],
                          microbatch: int, microbatches: int | None, schedule: str,
                          virtual: int) -> list[dict]:
     """For each pp: the fewest GPUs whose fullest stage fits, its stages, bubble and cuts."""
-    m = microbatches or max(cfg.local_batch // microbatch, 1)
+    m = step_microbatches(cfg, microbatch, microbatches)
     print(f"pipeline ({schedule}, {m} micro-batches of {microbatch} x {cfg.seq_len} tokens a "
           "step): fewest GPUs with each pp degree")
     print("| pp | GPUs | EP | fullest stage | its peak GB | bubble | MiB a cut, per micro-batch "

@@ -40,6 +40,7 @@ from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
+from titan_moe.parallel.pipeline import boundary_tensors
 
 GB = 1e9
 ACT_BYTES = 2  # bf16 activations under FSDP2's bf16 param policy
@@ -66,6 +67,12 @@ class ParamCounts:
     largest_layer_experts: int
     layer_dense: tuple[int, ...] = ()  # per decoder layer (pipeline stages are cut from these)
     layer_experts: tuple[int, ...] = ()
+
+    @property
+    def rest(self) -> int:
+        """Parameters outside the layers, embedding and head: vision tower, final site, norm."""
+        return (self.total - sum(self.layer_dense) - sum(self.layer_experts) - self.embedding
+                - self.output)
 
 
 @dataclass(frozen=True)
@@ -189,9 +196,8 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
         for module in layer.modules():
             if isinstance(module, FP32_MODULES):
                 module.float()
-        # Entering layer i: the embedding and every finished block (ceil(i / S) of them), then
-        # the partial sum (model/model.py; plan/pipeline.boundary_tensors).
-        n_sources = math.ceil(layer_id / args.attn_res_block_size) + 1
+        # Entering layer i: the embedding, every finished block and the partial sum.
+        n_sources = boundary_tensors(args.attn_res_block_size, layer_id)
         sources = [torch.empty(batch, seq_len, args.dim, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(n_sources)]
     params = list(layer.parameters())
@@ -221,7 +227,7 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
     per_kind: dict[tuple[bool, bool, int], int] = {}
     saved, recompute = 0.0, 0
     for i in layers:
-        kind = (args.is_mla(i), args.is_moe(i), math.ceil(i / args.attn_res_block_size))
+        kind = (args.is_mla(i), args.is_moe(i), boundary_tensors(args.attn_res_block_size, i))
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
         if _checkpointed(cfg, i):

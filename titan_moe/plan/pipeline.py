@@ -50,9 +50,13 @@ def stage_layers(counts: ParamCounts, args: TitanMoEArgs, pp: int) -> list[range
     embedding and the rest (vision tower, final site, norm) weigh on the first stage, the head
     on the last."""
     weights = [d + e for d, e in zip(counts.layer_dense, counts.layer_experts, strict=True)]
-    others = counts.total - sum(weights) - counts.embedding - counts.output
     return balanced_stages(weights, args.attn_res_block_size, pp,
-                           counts.embedding + others, counts.output)
+                           counts.embedding + counts.rest, counts.output)
+
+
+def step_microbatches(cfg: PlanConfig, microbatch: int, microbatches: int | None = None) -> int:
+    """A step's micro-batches: the given count, or the local batch's at `microbatch` rows."""
+    return microbatches or max(cfg.local_batch // microbatch, 1)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 2) -> float:
@@ -87,12 +91,10 @@ def stage_counts(counts: ParamCounts, layers: range, n_layers: int) -> ParamCoun
     dense = counts.layer_dense[layers.start:layers.stop]
     experts = counts.layer_experts[layers.start:layers.stop]
     first, last = layers.start == 0, layers.stop == n_layers
-    others = (counts.total - sum(counts.layer_dense) - sum(counts.layer_experts)
-              - counts.embedding - counts.output)
     embedding = counts.embedding if first else 0
     output = counts.output if last else 0
     return ParamCounts(total=sum(dense) + sum(experts) + embedding + output
-                       + (others if first else 0),
+                       + (counts.rest if first else 0),
                        experts=sum(experts), embedding=embedding, output=output,
                        largest_layer_dense=max(dense), largest_layer_experts=max(experts),
                        layer_dense=dense, layer_experts=experts)
@@ -117,7 +119,7 @@ def plan_pipeline(cfg: PlanConfig, gpus: int, ep: int, pp: int, microbatch: int 
     micro-batches of `microbatch` rows (default: the local batch's)."""
     if gpus % pp:
         raise ValueError(f"{gpus} GPUs do not split into {pp} pipeline stages")
-    m = microbatches or max(cfg.local_batch // microbatch, 1)
+    m = step_microbatches(cfg, microbatch, microbatches)
     counts = counts or parameter_counts(cfg.args)
     stages = stage_layers(counts, cfg.args, pp)
     if activations is None:
@@ -137,7 +139,7 @@ def fewest_gpus_with_pp(cfg: PlanConfig, gpu_mem_gb: float, pp: int, microbatch:
                         virtual: int = 2, step: int = 8,
                         limit: int = 1 << 16) -> PipelinePlan | None:
     """The smallest multiple of lcm(step, pp) GPUs whose fullest stage fits, over EP degrees."""
-    m = microbatches or max(cfg.local_batch // microbatch, 1)
+    m = step_microbatches(cfg, microbatch, microbatches)
     counts = parameter_counts(cfg.args)
     stages = stage_layers(counts, cfg.args, pp)
     activations = stage_activations(cfg, stages, microbatch, m, schedule, virtual)

@@ -76,7 +76,7 @@ def _require_fla():
     return chunk_kda_fwd, chunk_kda_bwd, prepare_chunk_indices
 
 
-def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(cu_seqlens [N+1] int32 over the flattened rows, each row's first and last sequence,
     each token's row within its chunk [B, T]: fla's chunks restart at every sequence start)."""
     batch, seq_len = doc.shape
