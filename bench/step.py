@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from report import write_json
 from timing import device_profile, timed
+from torch._dynamo.utils import counters
 
-from compile_passes.registry import PASS_NAMES
+from compile_passes.registry import COUNTER, PASS_NAMES, matched_counts
 from titan_moe.cli_args import non_negative, positive, positive_float
 from titan_moe.data.multimodal import MultimodalPacker, batch_item, encode_document
 from titan_moe.data.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_path
@@ -75,9 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kda-backend", default="auto", choices=KDA_BACKENDS,
                         help="CUDA kernels of the KDA layers (titan_moe.kda_backend)")
     parser.add_argument("--profile", nargs="?", const="table", choices=("table", "trace"),
-                        help="CUDA: device time of one step per row by kernel class, the 15 "
+                        help="CUDA: device time of one step per row by kernel class, the --top "
                         "largest kernels overall and in each class; 'trace' also writes its "
                         "chrome trace beside --out (trace-<inputs>-<mode, + as ->.json.gz)")
+    parser.add_argument("--top", type=positive, default=15,
+                        help="--profile: how many of the largest kernels to list, overall and "
+                        "in each class")
     parser.add_argument("--out", type=Path, default=Path("step.json"))
     opts = parser.parse_args(argv)
     if opts.smoke:
@@ -160,6 +164,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     torch._dynamo.reset()
+    counters[COUNTER].clear()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -167,10 +172,11 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
+    passes_matched = matched_counts() if MODES.get(mode) else {}
     ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
     trace = (opts.out.parent / f"trace-{inputs}-{mode.replace('+', '-')}.json.gz"
              if opts.profile == "trace" else None)
-    profile = (device_profile(step, ms, trace=trace)
+    profile = (device_profile(step, ms, top=opts.top, trace=trace)
                if opts.profile and device == "cuda" else {})
     n_tokens = batch["input"].numel()
     n_patches = int((batch["patch_image"] >= 0).sum()) if inputs == "multimodal" else 0
@@ -183,7 +189,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         "patches_per_s": n_patches / (ms * 1e-3), "tflops": tflops,
         "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-        "profile": profile,
+        "passes_matched": passes_matched, "profile": profile,
     }
 
 
@@ -215,15 +221,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['tokens_per_s']:10.0f} "
               f"{r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} {speedup} {mem}")
     for r in rows:
+        if r["passes_matched"]:
+            print(f"pattern matches, {r['inputs']} {r['mode']}: {r['passes_matched']}")
         if r["profile"]:
             print(f"device time by class, {r['inputs']} {r['mode']} ({r['ms']:.1f} ms a step):")
             for c in r["profile"]["by_class"]:
                 print(f"  {c['ms']:8.2f} ms {100 * c['share']:5.1f}%  {c['class']}")
             print(f"top device time, {r['inputs']} {r['mode']}:")
             _print_kernels(r["profile"]["top"])
-            for c in r["profile"]["by_class"][:2]:
+            for c in r["profile"]["by_class"][:3]:
                 print(f"top of class {c['class']}:")
-                _print_kernels(c["top"][:10])
+                _print_kernels(c["top"])
     write_json(opts.out, opts, rows)
     return 0
 

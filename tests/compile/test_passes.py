@@ -3,9 +3,12 @@
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from compile_passes import registry
 from compile_passes.inspect import inspect_compile
-from compile_passes.registry import matched_counts
+from compile_passes.registry import FusionPasses, matched_counts
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.situ_glu import situ_glu
 
@@ -67,6 +70,48 @@ def test_attn_res_pass_fires_and_preserves_gradients(layout):
     for c, e in zip(compiled, eager, strict=True):
         # Gradients of bf16 sources are rounded to bf16 at the end: one rounding apart.
         assert _rel(c, e) < (RTOL if c.dtype == torch.float32 else 1e-2)
+
+
+class _NoopConversionsThenPasses(CustomGraphPass):
+    """Puts `convert_element_type(x, x.dtype)` after every permute of the joint graph, then runs
+    our passes: the graph as it reached them on the H200 (torch 2.11) under CUDA autocast, where
+    Inductor's joint-graph patterns rewrite the backward of the site's fp32 score product as
+    conversions to fp32 around a mul and a sum; on CPU that product has no conversions."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if node.target is torch.ops.aten.permute.default:
+                with graph.inserting_after(node):
+                    convert = graph.call_function(torch.ops.prims.convert_element_type.default,
+                                                  (node, node.meta["val"].dtype))
+                convert.meta["val"] = node.meta["val"]
+                node.replace_all_uses_with(convert, delete_user_cb=lambda u, c=convert: u is not c)
+        FusionPasses(["attn_res"])(graph)
+
+    def uuid(self) -> None:
+        return None  # never cached
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_attn_res_pass_sees_through_noop_conversions(drop, monkeypatch):
+    if not drop:  # the control: without the clean-up the same graph matches nothing
+        monkeypatch.setattr(registry, "drop_noop_conversions", lambda graph: 0)
+    site = AttnResSite(16)
+    with torch.no_grad():
+        site.query.normal_()
+    sources = [torch.randn(2, 4, 16, requires_grad=True) for _ in range(3)]
+    torch._dynamo.reset()
+    counters[registry.COUNTER].clear()
+    compiled = torch.compile(site, fullgraph=True,
+                             options={"joint_custom_post_pass": _NoopConversionsThenPasses()})
+    compiled(sources).square().mean().backward()
+    assert matched_counts()["attn_res"] == (1 if drop else 0)
+    got = [x.grad.clone() for x in sources]
+    for x in sources:
+        x.grad = None
+    site(sources).square().mean().backward()
+    for c, e in zip(got, [x.grad for x in sources], strict=True):
+        assert _rel(c, e) < RTOL
 
 
 def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
