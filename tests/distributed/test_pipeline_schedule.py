@@ -1,8 +1,8 @@
 """Two gloo processes run torch.distributed.pipelining's Schedule1F1B over our StageModules (cut
 on an AttnRes block boundary): each micro-batch's loss and every parameter's gradient equal one
 process running the whole model on the same micro-batches, float32, bit for bit. This checks
-the stages' input/output protocol against torch's pipelining (what the trainer's pipelining will
-build on); the trainer does not run pipelines yet."""
+the stages' input/output protocol against torch's pipelining, which the trainer builds on
+(parallel/pipeline_schedule.py; the trainer under pp: test_pipeline_trainer.py)."""
 
 import os
 import socket

@@ -14,6 +14,7 @@ from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.pipeline import (
     StageModule,
     balanced_stages,
+    boundary_bytes,
     boundary_tensors,
     model_stages,
     split_into_stages,
@@ -105,3 +106,45 @@ def test_bad_stages_are_one_error():
     vision = _model(vision="debug")
     with pytest.raises(ValueError, match="titan_moe.vision must be 'none'"):
         StageModule(vision, range(0, 4))
+
+
+def test_boundary_bytes_are_what_a_cut_sends():
+    """A cut inside block 1 (before layer 3, blocks of 2) of the debug model (d 256), micro-batch
+    of 2 rows x 32 tokens, fp32. By hand: the embedding, block 0's sum and block 1's partial sum,
+    3 x 2 x 32 x 256 x 4 B = 196608 B, plus 2 x 32 int32 doc_ids = 256 B."""
+    model = _model()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32))
+    doc_ids = torch.zeros(2, 32, dtype=torch.int32)
+    first, _ = split_into_stages(model, [range(0, 3), range(3, 8)])
+    sent = first(tokens, doc_ids)
+    size = boundary_bytes(2, 3, 2, 32, 256, torch.float32)
+    assert size == 196608 + 256
+    assert size == sum(t.numel() * t.element_size() for t in sent)
+    assert boundary_bytes(2, 3, 2, 32, 256, torch.bfloat16) == 196608 // 2 + 256
+
+
+def test_stage_init_weights_is_the_models_init_of_its_modules():
+    """torchtitan materialises each stage (to_empty) and calls its init_weights. Every tensor is
+    set, QB state cleared; the first stage draws in the model's own order (embedding, then its
+    layers), so from the same seed it equals the whole model's init."""
+    args = _model().args
+    with torch.device("meta"):
+        meta = TitanMoE(args)
+    stages = split_into_stages(meta, [range(0, 3), range(3, 8)])
+    for stage in stages:
+        stage.to_empty(device="cpu")
+    torch.manual_seed(5)
+    stages[0].init_weights()
+    stages[1].init_weights()
+    with torch.device("meta"):
+        model = TitanMoE(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    model.init_weights()
+    want = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, tensor in itertools.chain(stages[0].named_parameters(), stages[0].named_buffers()):
+        assert torch.equal(tensor, want[name]), name
+    for name, tensor in itertools.chain(stages[1].named_parameters(), stages[1].named_buffers()):
+        assert torch.isfinite(tensor).all(), name
+        if name.endswith(("expert_bias", "qb_hist", "expert_load", "norm.weight")):
+            assert torch.equal(tensor, want[name]), name

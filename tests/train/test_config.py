@@ -270,3 +270,52 @@ def test_train_entrypoint_exits_2_on_bad_type(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "error: training.steps: expected int, got 'many' (--training.steps)"
     ]
+
+
+PP2 = ["--training.device", "cpu", "--parallelism.pipeline_parallel_degree", "2"]
+PP_UNSUPPORTED = ("; pipeline parallelism runs text batches with sharding = 'fsdp2' and the "
+                  "full-logits loss")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "128"],
+     "parallelism.pipeline_parallel_degree = 2 does not support "
+     "parallelism.context_parallel_degree > 1" + PP_UNSUPPORTED),
+    (["--parallelism.sharding", "simple_fsdp"],
+     "parallelism.pipeline_parallel_degree = 2 does not support "
+     "parallelism.sharding = 'simple_fsdp'" + PP_UNSUPPORTED),
+    (["--training.loss_chunk", "32"],
+     "parallelism.pipeline_parallel_degree = 2 does not support training.loss_chunk > 0"
+     + PP_UNSUPPORTED),
+    (["--titan_moe.vision", "debug"],
+     "parallelism.pipeline_parallel_degree = 2 does not support titan_moe.vision (image batches)"
+     + PP_UNSUPPORTED),
+    (["--eval.long_context"],
+     "parallelism.pipeline_parallel_degree = 2 does not support eval.long_context"
+     + PP_UNSUPPORTED),
+    (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+     "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble' is not supported by titan_moe; "
+     "allowed: 1F1B, Interleaved1F1B"),
+    (["--parallelism.pipeline_parallel_microbatch_size", "3"],
+     "parallelism.pipeline_parallel_microbatch_size = 3 must be >= 1 and divide "
+     "training.local_batch_size = 8"),
+    (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+      "--parallelism.pipeline_parallel_layers_per_stage", "3"],
+     "parallelism.pipeline_parallel_layers_per_stage = 3 gives 3 stages of titan_moe.n_layers = "
+     "8; Interleaved1F1B with pipeline_parallel_degree = 2 needs a multiple of 2, >= 2 per rank"),
+    (["--titan_moe.n_layers", "3", "--titan_moe.mla_layers", "3",
+      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+     "parallelism.pipeline_parallel_degree = 2 x 2 stages per rank (Interleaved1F1B) exceeds "
+     "titan_moe.n_layers = 3: every stage needs a layer"),
+])
+def test_unsupported_pipeline_combinations_are_one_line_naming_the_fields(monkeypatch, argv,
+                                                                           message):
+    monkeypatch.setenv("NGPU", "2")
+    assert error_of([*PP2, *argv]) == message
+
+
+def test_supported_pipeline_layouts_parse(monkeypatch):
+    monkeypatch.setenv("NGPU", "4")
+    parse_job_config([*PP2, "--parallelism.expert_parallel_degree", "2"])
+    parse_job_config([*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                      "--parallelism.pipeline_parallel_layers_per_stage", "2"])

@@ -144,12 +144,23 @@ class TitanMoE(nn.Module):
         return [layer.mixer.new_cache(batch) for layer in self.layers.values()]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        nn.init.normal_(self.tok_embeddings.weight)
+        init_embedding_weights(self.tok_embeddings)
         for layer in self.layers.values():
             layer.init_weights()
         self.final_site.init_weights()
         self.norm.reset_parameters()
         if self.vision is not None:
             self.vision.init_weights(self.args.init_std)
-        bound = 3 * self.args.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-bound, b=bound)
+        init_head_weights(self.output)
+
+
+def init_embedding_weights(embedding: nn.Embedding) -> None:
+    """The token embedding's init, shared by the model and its first pipeline stage."""
+    nn.init.normal_(embedding.weight)
+
+
+def init_head_weights(output: nn.Linear) -> None:
+    """The LM head's init (truncated normal, std dim^-1/2), shared by the model and its last
+    pipeline stage."""
+    std = output.in_features**-0.5
+    nn.init.trunc_normal_(output.weight, std=std, a=-3 * std, b=3 * std)

@@ -35,6 +35,7 @@ from titan_moe.model.moe import GroupedExperts
 from titan_moe.parallel.context_parallel import apply_context_parallel
 from titan_moe.parallel.expert_parallel import apply_expert_parallel
 from titan_moe.parallel.fp32_modules import FP32_MODULES, fp32_islands
+from titan_moe.parallel.pipeline import StageModule
 from titan_moe.parallel.simple_fsdp import apply_simple_fsdp
 
 # Selective op-level AC keeps these outputs and recomputes the rest (torchtitan's llama list
@@ -50,13 +51,14 @@ OP_SAC_SAVE_LIST = {
     torch.ops.aten.max.default,
 }
 
-_DEGREE_FIELD = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
-                 "etp": "expert_tensor_parallel_degree"}
+_DEGREE_FIELD = {"tp": "tensor_parallel_degree", "etp": "expert_tensor_parallel_degree"}
 
 
 def parallelize_titan_moe(
-    model: TitanMoE, parallel_dims: ParallelDims, job_config: JobConfig
+    model: TitanMoE | StageModule, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
+    """Parallelize a whole model, or one pipeline stage of it (parallel/pipeline_schedule.py
+    calls this per stage)."""
     _reject_unsupported(parallel_dims)
     if parallel_dims.cp_enabled:
         apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group())
@@ -87,14 +89,13 @@ def parallelize_titan_moe(
 
 
 def _reject_unsupported(parallel_dims: ParallelDims) -> None:
-    enabled = {"tp": parallel_dims.tp_enabled, "pp": parallel_dims.pp_enabled,
-               "etp": parallel_dims.etp_enabled}
+    enabled = {"tp": parallel_dims.tp_enabled, "etp": parallel_dims.etp_enabled}
     for name, on in enabled.items():
         if on:
             raise ValueError(
                 f"parallelism.{_DEGREE_FIELD[name]} > 1 is not supported by titan_moe; allowed: "
                 "1 (use data_parallel_shard_degree for FSDP, expert_parallel_degree for EP, "
-                "context_parallel_degree for long sequences)"
+                "context_parallel_degree for long sequences, pipeline_parallel_degree for PP)"
             )
 
 
@@ -210,7 +211,8 @@ def apply_fsdp(
     expert_mesh=None,
 ) -> None:
     """FSDP2 units: the vision tower (if any), per layer (experts and fp32 islands first, as units
-    of their own), the embedding, the head, then the root.
+    of their own), the embedding, the head, then the root. A pipeline stage (parallel/pipeline.py)
+    holds the embedding on the first stage and the head on the last only.
 
     Gradient division is left to the trainer, which scales the loss by the global token count.
     """
@@ -221,7 +223,8 @@ def apply_fsdp(
     islands = fp32_islands(True, param_dtype)
     if getattr(model, "vision", None) is not None:
         fully_shard(model.vision, mesh=mesh, mp_policy=policy)
-    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=policy)
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=policy)
     for layer in model.layers.values():
         if expert_mesh is not None:
             for experts in (m for m in layer.modules() if isinstance(m, GroupedExperts)):
@@ -231,12 +234,13 @@ def apply_fsdp(
             fp32 = [m for m in layer.modules() if isinstance(m, FP32_MODULES)]
             fully_shard(fp32, mesh=mesh, mp_policy=fp32_policy)
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    head = [model.final_site, model.norm, model.output]
-    if islands:
-        fully_shard([model.final_site, model.norm], mesh=mesh, mp_policy=fp32_policy,
-                    reshard_after_forward=False)
-        head = [model.output]
-    fully_shard(head, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if model.output is not None:
+        head = [model.final_site, model.norm, model.output]
+        if islands:
+            fully_shard([model.final_site, model.norm], mesh=mesh, mp_policy=fp32_policy,
+                        reshard_after_forward=False)
+            head = [model.output]
+        fully_shard(head, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -13,7 +13,9 @@ its modules shared with the model (so parameter names, the checkpoint's keys, ar
 `layers.<i>....`). Stage inputs and outputs are flat tuples of tensors, as
 `torch.distributed.pipelining` passes them between ranks: the first stage takes
 (tokens, doc_ids) (or doc_ids by keyword, as torchtitan's trainer passes a batch's extra
-inputs), every later one (doc_ids, *blocks, partial); the last returns the logits.
+inputs), every later one (doc_ids, *blocks, partial); the last returns the logits. The int32
+doc_ids travel with the hidden states because every layer's mixer reads them.
+`boundary_bytes` is what one micro-batch sends across a cut.
 """
 
 import math
@@ -22,12 +24,23 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from titan_moe.model.model import TitanMoE
+from titan_moe.model.model import TitanMoE, init_embedding_weights, init_head_weights
+
+DOC_ID_BYTES = torch.int32.itemsize
 
 
 def boundary_tensors(block_size: int, layer: int) -> int:
     """[b, T, d] tensors entering decoder layer `layer` (0-based) from the layers before it."""
     return math.ceil(layer / block_size) + 1
+
+
+def boundary_bytes(block_size: int, layer: int, microbatch: int, seq_len: int, dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes one micro-batch sends forward across a cut before decoder layer `layer`: its
+    `boundary_tensors` [microbatch, seq_len, dim] hidden states in `dtype` and the int32
+    doc_ids [microbatch, seq_len]. The gradients sent back are the hidden states' size again."""
+    hidden = boundary_tensors(block_size, layer) * microbatch * seq_len * dim
+    return hidden * dtype.itemsize + microbatch * seq_len * DOC_ID_BYTES
 
 
 def balanced_stages(weights: Sequence[int], block_size: int, pp: int, first_extra: int = 0,
@@ -93,6 +106,9 @@ class StageModule(nn.Module):
         if not 0 <= layers.start < layers.stop <= n:
             raise ValueError(f"stage layers {layers}: must be a non-empty part of 0..{n - 1}")
         self.first, self.last = layers.start == 0, layers.stop == n
+        # What parallelize_titan_moe reads of a model: its args and its (absent) vision tower.
+        self.args = model.args
+        self.vision = None
         self.tok_embeddings = model.tok_embeddings if self.first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         self.final_site = model.final_site if self.last else None
@@ -112,6 +128,20 @@ class StageModule(nn.Module):
         if self.last:
             return self.output(self.norm(self.final_site(blocks + [partial])))
         return (doc_ids, *blocks, partial)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """The model's init of the modules this stage holds (torchtitan calls it per part after
+        `to_empty`). Each pipeline rank draws from its own seed, so the values differ from one
+        process's; a seed checkpoint (`checkpoint.create_seed_checkpoint`) gives every layout
+        the same weights."""
+        if self.tok_embeddings is not None:
+            init_embedding_weights(self.tok_embeddings)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.last:
+            self.final_site.init_weights()
+            self.norm.reset_parameters()
+            init_head_weights(self.output)
 
 
 def split_into_stages(model: TitanMoE, stages: Sequence[range]) -> list[StageModule]:

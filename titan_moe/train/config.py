@@ -13,7 +13,8 @@ exists and parses, sections and keys exist (the message lists the allowed keys),
 field's type, `training.seq_len` is a multiple of the KDA chunk, an explicit dataset path holds
 readable, non-empty data files, the model args accept the overrides, the profiler schedule fits,
 step counts, rates and intervals are in range, the parallel degrees fit the process count and the
-global batch (torchtitan's ParallelDims rules), `compile.passes` names known passes on the
+global batch (torchtitan's ParallelDims rules), pipeline parallelism's schedule, micro-batches and
+stage count fit and nothing it does not support is on, `compile.passes` names known passes on the
 Inductor backend, and the processes per node fit the devices.
 Run `python -m titan_moe.train.config --job.config_file F [--section.key value ...]` to check only.
 """
@@ -21,6 +22,7 @@ Run `python -m titan_moe.train.config --job.config_file F [--section.key value .
 import copy
 import dataclasses
 import importlib
+import math
 import os
 import sys
 import tomllib
@@ -43,6 +45,11 @@ from titan_moe.data.dataloader import check_data_source
 from titan_moe.data.tokenizer import ASSETS_DIR
 from titan_moe.model.args import FLAVORS, ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+from titan_moe.parallel.pipeline_schedule import (
+    PIPELINE_SCHEDULES,
+    single_stage_schedule,
+    stages_per_rank,
+)
 from titan_moe.train.platform import resolve_device_type
 
 MODEL_NAME = "titan_moe"
@@ -232,6 +239,59 @@ def _check_context_parallel(job_config: Any, vision: str) -> None:
             raise ConfigError(
                 f"parallelism.context_parallel_degree = {cp} does not support {name}; "
                 "context parallelism runs text batches with sharding = 'fsdp2', eager")
+
+
+def _check_pipeline_parallel(job_config: Any, vision: str, n_layers: int) -> None:
+    """PP runs StageModules (titan_moe/parallel/pipeline.py) on the looped schedules tested
+    against one process (parallel/pipeline_schedule.py)."""
+    parallelism, training = job_config.parallelism, job_config.training
+    pp = parallelism.pipeline_parallel_degree
+    if pp <= 1:
+        return
+    unsupported = {
+        "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
+        "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
+        "training.loss_chunk > 0": training.loss_chunk > 0,
+        "titan_moe.vision (image batches)": vision != "none",
+        "eval.long_context": job_config.eval.long_context,
+        "validation.enable": job_config.validation.enable,
+        "parallelism.pipeline_parallel_schedule_csv": bool(
+            parallelism.pipeline_parallel_schedule_csv),
+        "parallelism.module_fqns_per_model_part (stages are cut on AttnRes blocks)":
+            parallelism.module_fqns_per_model_part is not None,
+    }
+    for name, on in unsupported.items():
+        if on:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_degree = {pp} does not support {name}; pipeline "
+                "parallelism runs text batches with sharding = 'fsdp2' and the full-logits loss")
+    schedule = parallelism.pipeline_parallel_schedule
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {schedule!r} is not "
+                          f"supported by titan_moe; allowed: {', '.join(PIPELINE_SCHEDULES)}")
+    microbatch = parallelism.pipeline_parallel_microbatch_size
+    if microbatch < 1 or training.local_batch_size % microbatch:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size = {microbatch} must be >= 1 and "
+            f"divide training.local_batch_size = {training.local_batch_size}")
+    layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
+    if layers_per_stage is not None and layers_per_stage < 1:
+        raise ConfigError("parallelism.pipeline_parallel_layers_per_stage must be >= 1 (or unset), "
+                          f"got {layers_per_stage}")
+    per_rank = stages_per_rank(schedule, pp, n_layers, layers_per_stage)
+    single = single_stage_schedule(schedule)
+    if layers_per_stage is not None:
+        total = math.ceil(n_layers / layers_per_stage)
+        if total != pp * per_rank or per_rank < (1 if single else 2):
+            need = f"= {pp}" if single else f"a multiple of {pp}, >= 2 per rank"
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_layers_per_stage = {layers_per_stage} gives "
+                f"{total} stages of titan_moe.n_layers = {n_layers}; {schedule} with "
+                f"pipeline_parallel_degree = {pp} needs {need}")
+    if pp * per_rank > n_layers:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree = {pp} x {per_rank} stages per rank "
+            f"({schedule}) exceeds titan_moe.n_layers = {n_layers}: every stage needs a layer")
 
 
 def _check_scale(job_config: Any, device_type: str) -> None:
@@ -538,6 +598,8 @@ def _check_semantics(job_config: Any) -> None:
     _check_loss_chunk(job_config)
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
+    n_layers = model_overrides(job_config).get("n_layers", getattr(flavor_args, "n_layers", 1))
+    _check_pipeline_parallel(job_config, _vision(job_config, flavor_args), n_layers)
     _check_context_parallel(job_config, _vision(job_config, flavor_args))
     # WORLD_SIZE spans the nodes under torchrun; run_train.sh checks before it, one node of NGPU.
     world_source = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "NGPU"

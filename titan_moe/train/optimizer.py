@@ -40,22 +40,37 @@ def all_reduce_qb_stats(
 
 
 class LoadBalancing:
-    """Optimizer post-step hook: sum every balancer's statistics over `dp_group`, then run it
-    once; keep the metrics they report."""
+    """Optimizer post-step hook: sum every balancer's statistics over `dp_group` (None: this
+    rank's tokens are the whole batch, nothing to sum), then run it once; keep the metrics they
+    report.
+
+    Under pipeline parallelism each rank balances the MoE layers of its own stages and
+    `pp_group` gathers every stage's per-layer metrics, so the logging rank (torchtitan's: the
+    last stage's) reports all layers and `moe/max_violation` is their mean over the whole model.
+    """
 
     def __init__(
-        self, balancers: Sequence[Any], dp_group: dist.ProcessGroup | None = None
+        self,
+        balancers: Sequence[Any],
+        dp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.balancers = list(balancers)
         self.dp_group = dp_group
+        self.pp_group = pp_group
         self.metrics: dict[str, float] = {}
 
     def __call__(self, *_args: Any, **_kwargs: Any) -> None:
         metrics: dict[str, float] = {}
         for balancer in self.balancers:
-            all_reduce_qb_stats(balancer.routers, self.dp_group)
+            if self.dp_group is not None:
+                all_reduce_qb_stats(balancer.routers, self.dp_group)
             metrics.update(balancer.step())
-        self.metrics = metrics
+        if self.pp_group is not None:
+            stages: list[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(stages, metrics, group=self.pp_group)
+            metrics = {k: v for stage in stages for k, v in stage.items()}
+        self.metrics = with_model_max_violation(metrics)
 
     def discard(self) -> None:
         """Drop the statistics of a step whose optimizer step was skipped (step_guard.py)."""
@@ -63,13 +78,24 @@ class LoadBalancing:
             balancer.discard()
 
 
+def with_model_max_violation(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` with moe/max_violation the mean of every moe/layer<i>/max_violation in it (one
+    balancer's mean covers its own model part only)."""
+    layers = [v for k, v in metrics.items()
+              if k.startswith("moe/layer") and k.endswith("/max_violation")]
+    if not layers:
+        return metrics
+    return {**metrics, "moe/max_violation": sum(layers) / len(layers)}
+
+
 def attach_load_balancing(
     optimizers: OptimizersContainer,
     balancers: Sequence[Any],
     dp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Register the balancers' step after each optimizer step; expose them to the metrics."""
-    hook = LoadBalancing(balancers, dp_group)
+    hook = LoadBalancing(balancers, dp_group, pp_group)
     optimizers.register_step_post_hook(hook)
     optimizers.load_balancing = hook
 
@@ -80,14 +106,18 @@ def build_optimizers_with_quantile_balancing(
     parallel_dims: ParallelDims,
     ft_manager: Any = None,
 ) -> OptimizersContainer:
-    """torchtitan's optimizers, followed each step by a QuantileBalancer per model part."""
+    """torchtitan's optimizers, followed each step by a QuantileBalancer per model part (a
+    pipeline rank's parts are its stages)."""
     optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     exclude_1d_from_weight_decay(optimizers)
-    # QB histograms are summed over the ranks that hold distinct tokens: data and context
-    # parallel ranks (torchtitan's "loss" mesh), never tensor-parallel replicas.
+    # QB histograms are summed over the ranks that hold distinct tokens of the same layers: data
+    # and context parallel ranks (torchtitan's "loss" mesh), never tensor-parallel replicas nor
+    # other pipeline stages (their layers differ).
     loss_mesh = parallel_dims.get_optional_mesh("loss")
-    dp_group = loss_mesh.get_group() if loss_mesh is not None else None
-    attach_load_balancing(optimizers, [QuantileBalancer(m) for m in model_parts], dp_group)
+    pp_mesh = parallel_dims.get_optional_mesh("pp")
+    attach_load_balancing(optimizers, [QuantileBalancer(m) for m in model_parts],
+                          loss_mesh.get_group() if loss_mesh is not None else None,
+                          pp_mesh.get_group() if pp_mesh is not None else None)
     return optimizers
 
 

@@ -97,15 +97,17 @@ class FiniteStepGuard:
 
 
 def check_finite_weights(model_parts: list[nn.Module], step: int) -> None:
-    """Raise NonFiniteError naming a tensor unless every parameter and buffer is finite on
-    every rank (all ranks raise together, so none is left waiting in the save's collectives)."""
+    """Raise NonFiniteError unless every parameter and buffer is finite on every rank (all ranks
+    raise together, so none is left waiting in the save's collectives); a rank names its own
+    first non-finite tensor. One flag per rank is reduced: pipeline ranks hold different tensors."""
     named = [(name, t.to_local() if isinstance(t, DTensor) else t)
              for part in model_parts
              for name, t in itertools.chain(part.named_parameters(), part.named_buffers())]
-    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).to(torch.int32)
-    bad = [name for (name, _), ok in zip(named, _all_ranks(finite).tolist(), strict=True) if not ok]
-    if bad:
-        raise NonFiniteError(
-            f"refusing to save the checkpoint of step {step}: {bad[0]} (and {len(bad) - 1} more "
-            "tensors) holds non-finite values; the run diverged, resume from an earlier checkpoint"
-            " with a lower optimizer.lr")
+    bad = [name for name, t in named if not torch.isfinite(t.detach()).all()]
+    device = named[0][1].device  # nccl reduces device tensors only
+    if _all_ranks(torch.tensor([int(not bad)], dtype=torch.int32, device=device)).item():
+        return
+    where = f"{bad[0]} (and {len(bad) - 1} more tensors)" if bad else "a tensor on another rank"
+    raise NonFiniteError(
+        f"refusing to save the checkpoint of step {step}: {where} holds non-finite values; the "
+        "run diverged, resume from an earlier checkpoint with a lower optimizer.lr")

@@ -14,6 +14,11 @@ A step whose loss or grad norm is not finite is skipped and counted (`train/skip
 `training.max_consecutive_skipped_steps` in a row stop the run, and no checkpoint is saved from
 non-finite weights (step_guard.py).
 
+`parallelism.pipeline_parallel_degree` = pp > 1: the model runs as pipeline stages cut on AttnRes
+block boundaries (parallel/pipeline_schedule.py; README "Pipeline parallelism"), the loss and
+gradients are the non-pipelined step's, Quantile Balancing runs per stage and its metrics are
+gathered over the pipeline ranks.
+
 `training.loss_chunk` > 0: the loss is the chunked LM-head cross-entropy (chunked_loss.py), the
 [T, vocab] logits are never whole. `parallelism.context_parallel_degree` = cp > 1: each rank of a
 cp group trains on its contiguous slab of the group's rows (context_parallel.shard_batch); the
@@ -52,6 +57,7 @@ from titan_moe.model.flops import CountedTitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.context_parallel import shard_batch
 from titan_moe.parallel.parallelize import parallelize_titan_moe
+from titan_moe.parallel.pipeline_schedule import TokenMeanLoss, pipeline_titan_moe
 from titan_moe.train.checkpoint_verify import VerifiedCheckpoints
 from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
 from titan_moe.train.config import (
@@ -192,7 +198,7 @@ def titan_moe_train_spec() -> TrainSpec:
         model_cls=TitanMoE,
         model_args={name: CountedTitanMoEArgs(**vars(args)) for name, args in FLAVORS.items()},
         parallelize_fn=parallelize_titan_moe,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_titan_moe,
         build_optimizers_fn=build_optimizers_with_quantile_balancing,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader,
@@ -251,13 +257,38 @@ class TitanMoETrainer(PlatformTrainer):
     def forward_backward_step(self, *, input_dict, labels, **kwargs) -> torch.Tensor:
         self.last_batch = (input_dict, labels)
         step = super().forward_backward_step
-        if not self.job_config.training.loss_chunk:
+        if self.parallel_dims.pp_enabled:
+            loss = self.pipeline_step(input_dict, labels, **kwargs)
+        elif not self.job_config.training.loss_chunk:
             loss = step(input_dict=input_dict, labels=labels, **kwargs)
         else:
             with hidden_from_head(self.head):
                 loss = step(input_dict=input_dict, labels=labels, **kwargs)
         self.step_guard.add_loss(loss)
         return loss
+
+    def pipeline_step(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
+                      global_valid_tokens: torch.Tensor) -> torch.Tensor:
+        """One batch through the pipeline schedule; the loss is sum(CE) / global tokens, summed
+        over the micro-batches on the last stage's ranks (TokenMeanLoss scales inside the
+        schedule, where torchtitan's pipelined step would backpropagate unscaled sums), 0 on the
+        other ranks, which hold no loss (metrics are logged from the last stage)."""
+        inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+            input_dict, labels)
+        loss_fn = self.pp_schedule._loss_fn
+        if not isinstance(loss_fn, TokenMeanLoss):
+            raise TypeError("the pipeline schedule's loss is not titan_moe's TokenMeanLoss")
+        loss_fn.tokens = global_valid_tokens
+        first, last = self.pp_has_first_stage, self.pp_has_last_stage
+        losses: list[torch.Tensor] | None = [] if last else None
+        with self.train_context():
+            self.pp_schedule.step(*((inputs,) if first else ()),
+                                  **(extra_inputs if first else {}), **extra_kwargs,
+                                  target=labels if last else None, losses=losses,
+                                  return_outputs=False)
+        if losses is None:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().detach().to(self.device)
 
     def save_checkpoint(self, curr_step: int, last_step: bool = False) -> None:
         """torchtitan's checkpointer.save, refusing non-finite weights when it would save."""

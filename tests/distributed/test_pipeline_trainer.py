@@ -1,0 +1,170 @@
+"""The trainer under pipeline parallelism, gloo on CPU, against one process: 5 steps of a 4-layer
+model (AttnRes blocks of 2; layer 0 dense, layers 1-3 MoE) from one seed checkpoint on the same
+global batches (tests/distributed/pipeline_spec.py).
+
+    pp2              1F1B, 2 stages cut on the block boundary (layers 0-1 | 2-3), 4 micro-batches
+    pp2_interleaved  Interleaved1F1B, 4 stages of one layer (cuts inside blocks too)
+    pp2_dp2          1F1B x FSDP2 over dp_shard = 2 (4 processes)
+    pp2_ep2          1F1B x EP 2 on dp_shard = 2 (4 processes)
+
+Every layout's per-step loss equals one process's within rtol 2e-5: they differ only in fp32
+summation order (micro-batch gradients summed one by one, FSDP's reduce-scatter, EP's regrouped
+expert GEMMs), a few ulps per step; a wrong loss scale, stage or dispatch moves them by > 1e-3.
+QB biases (each stage balances its own MoE layers, histograms summed over the data ranks only)
+and moe/max_violation (gathered over the stages) match to 1e-6: the loads are exact counts.
+Resume: the pp2 run's step-3 checkpoint, loaded by a fresh pp2 job, reproduces steps 4-5 of the
+uninterrupted run exactly (same processes, same order of operations).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.conftest import read_scalars
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 5
+LOSS_RTOL = 2e-5
+BIAS_ATOL = 1e-6
+MOE_LAYERS = (1, 2, 3)
+TINY = [
+    "--job.config_file", "configs/debug.toml",
+    "--experimental.custom_import", "tests.distributed.pipeline_spec",
+    "--model.name", "titan_moe_rows",
+    "--titan_moe.vocab_size", "128", "--titan_moe.dim", "64", "--titan_moe.n_layers", "4",
+    "--titan_moe.mla_layers", "4", "--titan_moe.dense_hidden", "128",
+    "--titan_moe.attn_res_block_size", "2", "--titan_moe.n_heads", "2",
+    "--titan_moe.head_dim", "32", "--titan_moe.kda_gate_rank", "16",
+    "--titan_moe.mla_n_heads", "2", "--titan_moe.q_lora_rank", "32",
+    "--titan_moe.kv_lora_rank", "16", "--titan_moe.qk_nope_head_dim", "16",
+    "--titan_moe.qk_rope_head_dim", "16", "--titan_moe.v_head_dim", "16",
+    "--titan_moe.n_experts", "8", "--titan_moe.top_k", "2", "--titan_moe.n_shared_experts", "1",
+    "--titan_moe.shared_hidden", "32", "--titan_moe.latent_dim", "32",
+    "--titan_moe.expert_hidden", "32",
+    "--training.seq_len", "64", "--training.device", "cpu",
+    "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.0",
+    "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+LAYOUTS = {  # name: (processes, arguments); 4 global rows of 64 tokens in every layout
+    "one_process": (1, ["--training.local_batch_size", "4"]),
+    "pp2": (2, [*PP2, "--training.local_batch_size", "4"]),
+    "pp2_interleaved": (2, [*PP2, "--training.local_batch_size", "4",
+                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2_dp2": (4, [*PP2, "--training.local_batch_size", "2"]),
+    "pp2_ep2": (4, [*PP2, "--training.local_batch_size", "2",
+                    "--parallelism.expert_parallel_degree", "2"]),
+}
+# Bytes a micro-batch (1 row of 64 tokens, d 64, fp32) sends across a cut before layer i:
+# ceil(i / 2) + 1 hidden states of 64 x 64 x 4 B = 16384 B, and 64 int32 doc_ids = 256 B.
+CUT_BYTES = {
+    "pp2": {2: 2 * 16384 + 256},
+    "pp2_interleaved": {1: 2 * 16384 + 256, 2: 2 * 16384 + 256, 3: 3 * 16384 + 256},
+}
+
+
+def train(dump: Path, processes: int, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // processes)),
+           "QB_BIAS_FOLDER": str(dump / "qb_biases")}
+    env.pop("LOCAL_RANK", None)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    result = subprocess.run(
+        [sys.executable, *(launcher if processes > 1 else []), "-m", "titan_moe.train", *TINY,
+         "--job.dump_folder", str(dump), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    return log
+
+
+def scalars(dump: Path, tag: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for run_dir in sorted((dump / "tb").iterdir()):
+        out.update(read_scalars(run_dir, tag))
+    return out
+
+
+def biases(dump: Path) -> list[dict[int, torch.Tensor]]:
+    """Per step, every MoE layer's QB bias; the ranks holding a layer must agree exactly."""
+    ranks = [torch.load(f) for f in sorted((dump / "qb_biases").glob("rank*.pt"))]
+    merged: list[dict[int, torch.Tensor]] = []
+    for step in zip(*ranks, strict=True):
+        layers: dict[int, torch.Tensor] = {}
+        for held in step:
+            for layer, bias in held.items():
+                if layer in layers:
+                    assert torch.equal(layers[layer], bias), f"ranks disagree on layer {layer}"
+                layers[layer] = bias
+        merged.append(layers)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    root = tmp_path_factory.mktemp("pipeline")
+    train(root / "seed", 1, "--training.local_batch_size", "4", "--checkpoint.enable",
+          "--checkpoint.create_seed_checkpoint")
+    seed = ["--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0")]
+    return {name: (root / name, train(root / name, n, *seed, *args))
+            for name, (n, args) in LAYOUTS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "one_process"])
+def test_losses_biases_and_violation_match_one_process(runs, name):
+    reference, got = runs["one_process"][0], runs[name][0]
+    want_loss = scalars(reference, "loss_metrics/global_avg_loss")
+    loss = scalars(got, "loss_metrics/global_avg_loss")
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([loss[s] for s in sorted(loss)]),
+                               torch.tensor([want_loss[s] for s in sorted(loss)]),
+                               rtol=LOSS_RTOL, atol=0)
+    assert want_loss[STEPS] != want_loss[1]
+    want_biases, got_biases = biases(reference), biases(got)
+    assert len(got_biases) == STEPS and sorted(got_biases[0]) == list(MOE_LAYERS)
+    for step, (g, w) in enumerate(zip(got_biases, want_biases, strict=True), start=1):
+        for layer in MOE_LAYERS:
+            torch.testing.assert_close(g[layer], w[layer], rtol=0, atol=BIAS_ATOL,
+                                       msg=f"step {step} layer {layer}")
+    for tag in ["moe/max_violation"] + [f"moe/layer{i}/max_violation" for i in MOE_LAYERS]:
+        want, value = scalars(reference, tag), scalars(got, tag)
+        assert sorted(value) == sorted(want), tag
+        for step in want:
+            assert value[step] == pytest.approx(want[step], abs=1e-6), (tag, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CUT_BYTES))
+def test_start_up_logs_the_bytes_each_cut_sends(runs, name):
+    log = runs[name][1]
+    for layer, size in CUT_BYTES[name].items():
+        assert f"before layer {layer} " in log and f"): {size:,} bytes per micro-batch" in log, (
+            layer, size)
+    cuts = [line for line in log.splitlines() if "pipeline cut" in line]
+    # Every rank logs the cuts once.
+    assert len(cuts) == 2 * len(CUT_BYTES[name]), cuts
+
+
+@pytest.mark.slow
+def test_resume_under_pp2_reproduces_the_uninterrupted_run(runs, tmp_path):
+    straight = runs["pp2"][0]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    log = train(resumed, 2, *PP2, "--training.local_batch_size", "4",
+                "--training.steps", str(STEPS), "--checkpoint.enable",
+                "--checkpoint.interval", "3")
+    loaded = [line for line in log.splitlines() if "Loading the checkpoint from" in line]
+    assert loaded and all(line.rstrip(".").endswith("step-3") for line in loaded), loaded
+    want, got = (scalars(d, "loss_metrics/global_avg_loss") for d in (straight, resumed))
+    assert sorted(got) == [4, 5]
+    assert [got[s] for s in (4, 5)] == [want[s] for s in (4, 5)]
+    for g, w in zip(biases(resumed), biases(straight)[3:], strict=True):
+        for layer in MOE_LAYERS:
+            assert torch.equal(g[layer], w[layer]), layer
