@@ -12,13 +12,13 @@ stack written and read back. The replacement unrolls the sources instead:
 
 so every reduction runs over d with the same ranges, and the scheduler fuses the 2n row
 reductions and the weighted sum into one persistent-reduction kernel (the backward into one
-row kernel plus the column reduction for γ and w). The patterns are traced from AttnResSite's
-own forward for each source count and dtype a graph actually contains (found from its `cat`
-nodes), the first time that graph is compiled.
+row kernel plus the column reduction for γ and w). The patterns are traced from the model's
+own `attn_res_mix` (the site without its final cast back to the sources' dtype, which Inductor
+folds away on CUDA when an RMSNorm follows) for each source count and dtype a graph actually
+contains (found from its `cat` nodes), the first time that graph is compiled.
 """
 
 import inspect
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from torch._inductor.pattern_matcher import (
     register_replacement,
 )
 
-from titan_moe.model.attn_res import AttnResSite
+from titan_moe.model.attn_res import attn_res_mix
 
 NAME = "attn_res"
 MAX_SOURCES = 9
@@ -37,7 +37,7 @@ EPS = 1e-6  # the traced pattern's eps, captured as a match argument
 
 
 def attn_res_unrolled(sources: list[Tensor], query: Tensor, gain: Tensor, eps: float) -> Tensor:
-    """AttnResSite.forward with the sources kept apart (the replacement, in plain PyTorch)."""
+    """attn_res_mix with the sources kept apart (the replacement, in plain PyTorch)."""
     dtype = torch.promote_types(sources[0].dtype, torch.float32)
     weight = (gain * query).to(dtype)
     values = [s.to(dtype) for s in sources]
@@ -54,12 +54,7 @@ def attn_res_unrolled(sources: list[Tensor], query: Tensor, gain: Tensor, eps: f
     out = (exps[0] / total).unsqueeze(-1) * values[0]
     for e, v in zip(exps[1:], values[1:], strict=True):
         out = out + (e / total).unsqueeze(-1) * v
-    return out.to(sources[0].dtype)
-
-
-def _site_forward(sources: list[Tensor], query: Tensor, gain: Tensor, eps: float) -> Tensor:
-    site = SimpleNamespace(eps=eps, query=query, gain=gain)
-    return AttnResSite.forward(site, sources)
+    return out
 
 
 def _with_arguments(fn, n: int):
@@ -96,7 +91,7 @@ class _LazyPatterns(PatternMatcherPass):
                 example += [torch.empty(16, dtype=param_dtype, requires_grad=grad)
                             for _ in range(2)]
                 register_replacement(
-                    _with_arguments(_site_forward, n),
+                    _with_arguments(attn_res_mix, n),
                     _with_arguments(attn_res_unrolled, n),
                     example,
                     joint_fwd_bwd if grad else fwd_only,

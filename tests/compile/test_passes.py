@@ -10,6 +10,7 @@ from compile_passes import registry
 from compile_passes.inspect import inspect_compile
 from compile_passes.registry import FusionPasses, matched_counts
 from titan_moe.model.attn_res import AttnResSite
+from titan_moe.model.norm import RMSNorm
 from titan_moe.model.situ_glu import situ_glu
 
 RTOL = 1e-5  # fp32 compiled vs eager, relative to each tensor's largest magnitude
@@ -72,46 +73,106 @@ def test_attn_res_pass_fires_and_preserves_gradients(layout):
         assert _rel(c, e) < (RTOL if c.dtype == torch.float32 else 1e-2)
 
 
-class _NoopConversionsThenPasses(CustomGraphPass):
-    """Puts `convert_element_type(x, x.dtype)` after every permute of the joint graph, then runs
-    our passes: the graph as it reached them on the H200 (torch 2.11) under CUDA autocast, where
-    Inductor's joint-graph patterns rewrite the backward of the site's fp32 score product as
-    conversions to fp32 around a mul and a sum; on CPU that product has no conversions."""
+
+CONVERT = torch.ops.prims.convert_element_type.default
+
+
+def _noop_conversions_after_permutes(graph: torch.fx.Graph) -> None:
+    """What CUDA autocast left around the backward of the site's fp32 score product (the H200,
+    torch 2.11: Inductor's joint-graph patterns rewrite it as conversions to fp32 around a mul
+    and a sum); on CPU that product has none."""
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten.permute.default:
+            with graph.inserting_after(node):
+                convert = graph.call_function(CONVERT, (node, node.meta["val"].dtype))
+            convert.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(convert, delete_user_cb=lambda u, c=convert: u is not c)
+
+
+def _fold_bf16_round_trips(graph: torch.fx.Graph) -> None:
+    """convert(convert(x, bf16), fp32) of an fp32 x read as x: what Inductor did on CUDA to a
+    bf16 site's cast back to bf16 and the next RMSNorm's cast up (the H200, torch 2.11)."""
+    for node in list(graph.nodes):
+        inner = node.args[0] if node.target is CONVERT else None
+        if (isinstance(inner, torch.fx.Node) and node.args[1] == torch.float32
+                and inner.target is CONVERT and inner.args[1] == torch.bfloat16
+                and inner.args[0].meta["val"].dtype == torch.float32):
+            node.replace_all_uses_with(inner.args[0])
+    graph.eliminate_dead_code()
+
+
+class _CudaRewriteThenPasses(CustomGraphPass):
+    """The joint graph as it reached our passes on CUDA, reproduced on CPU, then the passes."""
+
+    def __init__(self, rewrite) -> None:
+        self.rewrite = rewrite
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in list(graph.nodes):
-            if node.target is torch.ops.aten.permute.default:
-                with graph.inserting_after(node):
-                    convert = graph.call_function(torch.ops.prims.convert_element_type.default,
-                                                  (node, node.meta["val"].dtype))
-                convert.meta["val"] = node.meta["val"]
-                node.replace_all_uses_with(convert, delete_user_cb=lambda u, c=convert: u is not c)
+        self.rewrite(graph)
         FusionPasses(["attn_res"])(graph)
 
     def uuid(self) -> None:
         return None  # never cached
 
 
-@pytest.mark.parametrize("drop", [True, False])
-def test_attn_res_pass_sees_through_noop_conversions(drop, monkeypatch):
-    if not drop:  # the control: without the clean-up the same graph matches nothing
-        monkeypatch.setattr(registry, "drop_noop_conversions", lambda graph: 0)
-    site = AttnResSite(16)
+class _SiteThenNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.site, self.norm = AttnResSite(dim), RMSNorm(dim)
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        return self.norm(self.site(sources))
+
+
+# name -> (rewrite, dtype of the module and sources, tolerance of the gradients against eager)
+CUDA_REWRITES = {
+    "noop_conversions": (_noop_conversions_after_permutes, torch.float32, RTOL),
+    # The fold skips eager's bf16 rounding of the site's output: a few bf16 roundings apart.
+    "bf16_round_trip": (_fold_bf16_round_trips, torch.bfloat16, 3e-2),
+}
+
+
+@pytest.mark.parametrize("rewrite", CUDA_REWRITES)
+def test_attn_res_pass_matches_the_cuda_graph(rewrite):
+    rewrite_fn, dtype, tol = CUDA_REWRITES[rewrite]
+    torch.manual_seed(0)
+    module = _SiteThenNorm(16).to(dtype)
     with torch.no_grad():
-        site.query.normal_()
+        module.site.query.normal_()
+    sources = [torch.randn(2, 4, 16, dtype=dtype, requires_grad=True) for _ in range(3)]
+    got, matched = _compiled_grads(module, sources, _CudaRewriteThenPasses(rewrite_fn))
+    assert matched == 1
+    _loss(module(sources)).backward()
+    for c, e in zip(got, [x.grad for x in sources], strict=True):
+        assert _rel(c, e) < tol
+
+
+def test_noop_conversions_alone_stop_the_match(monkeypatch):
+    """The control of the test above: without dropping them, the same graph matches nothing."""
+    monkeypatch.setattr(registry, "drop_noop_conversions", lambda graph: 0)
+    module = _SiteThenNorm(16)
     sources = [torch.randn(2, 4, 16, requires_grad=True) for _ in range(3)]
+    rewrite = _CudaRewriteThenPasses(_noop_conversions_after_permutes)
+    assert _compiled_grads(module, sources, rewrite)[1] == 0
+
+
+def _compiled_grads(module: nn.Module, sources: list[torch.Tensor], post_pass: CustomGraphPass):
+    """(the sources' gradients of a compiled step, attn_res matches), the gradients cleared."""
     torch._dynamo.reset()
     counters[registry.COUNTER].clear()
-    compiled = torch.compile(site, fullgraph=True,
-                             options={"joint_custom_post_pass": _NoopConversionsThenPasses()})
-    compiled(sources).square().mean().backward()
-    assert matched_counts()["attn_res"] == (1 if drop else 0)
+    compiled = torch.compile(module, fullgraph=True, options={"joint_custom_post_pass": post_pass})
+    _loss(compiled(sources)).backward()
     got = [x.grad.clone() for x in sources]
     for x in sources:
         x.grad = None
-    site(sources).square().mean().backward()
-    for c, e in zip(got, [x.grad for x in sources], strict=True):
-        assert _rel(c, e) < RTOL
+    return got, matched_counts()["attn_res"]
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    """A fixed random projection: mean(out²) of an RMSNorm's output is constant up to eps, its
+    gradient all but zero."""
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return (out.float() * weight).sum()
 
 
 def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():

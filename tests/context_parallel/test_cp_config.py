@@ -34,7 +34,6 @@ def test_seq_len_must_split_into_whole_kda_chunks():
 
 
 @pytest.mark.parametrize("extra,field", [
-    (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
     (["--parallelism.sharding", "simple_fsdp"], "parallelism.sharding = 'simple_fsdp'"),
     (["--compile.enable"], "compile.enable"),

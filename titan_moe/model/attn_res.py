@@ -23,15 +23,24 @@ class AttnResSite(nn.Module):
         self.gain = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        # fp32 at least (float64 stays float64, for the reference tests), and never AMP's bf16.
-        dtype = torch.promote_types(sources[0].dtype, torch.float32)
-        with torch.autocast(sources[0].device.type, enabled=False):
-            v = torch.stack(sources).to(dtype)
-            keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
-            scores = keys @ (self.gain * self.query).to(dtype)
-            p = torch.softmax(scores, dim=0)
-            return (p.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+        return attn_res_mix(sources, self.query, self.gain, self.eps).to(sources[0].dtype)
 
     def init_weights(self) -> None:
         nn.init.zeros_(self.query)
         nn.init.ones_(self.gain)
+
+
+def attn_res_mix(
+    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The site's output in fp32 at least (float64 stays float64, for the reference tests), never
+    in AMP's bf16; the site casts it back to the sources' dtype. Kept apart from that cast so
+    that compile_passes/attn_res_fusion.py can match the mix alone: on CUDA Inductor folds the
+    cast to bf16 and the next RMSNorm's cast back to fp32 away."""
+    dtype = torch.promote_types(sources[0].dtype, torch.float32)
+    with torch.autocast(sources[0].device.type, enabled=False):
+        v = torch.stack(sources).to(dtype)
+        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+        scores = keys @ (gain * query).to(dtype)
+        p = torch.softmax(scores, dim=0)
+        return (p.unsqueeze(-1) * v).sum(0)
