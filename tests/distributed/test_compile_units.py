@@ -18,13 +18,8 @@ def test_layers_without_units_compile_by_sublayer():
     for layer in model.layers.values():
         assert not isinstance(layer, OptimizedModule)
         children = dict(layer.named_children())
-        assert isinstance(children.pop("mixer"), OptimizedModule)
-        assert isinstance(children.pop("ffn"), OptimizedModule)
-        # Each site and its norm: one compiled function, the modules left as they are.
-        assert set(children) <= {"mixer_site", "mixer_norm", "ffn_site", "ffn_norm"}, children
-        assert not any(isinstance(child, OptimizedModule) for child in children.values())
-        for name in ("mixer_input", "ffn_input"):
-            assert hasattr(getattr(layer, name), "_torchdynamo_orig_callable"), name
+        assert set(children) >= {"mixer", "ffn", "ffn_site", "mixer_norm", "ffn_norm"}
+        assert all(isinstance(child, OptimizedModule) for child in children.values()), children
 
 
 def test_whole_layers_for_op_level_selective_ac():

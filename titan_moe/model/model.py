@@ -63,25 +63,19 @@ class DecoderLayer(nn.Module):
         cache: KDAState | MLACache | None = None,
         valid: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        x = self.mixer_input(blocks + [partial])
-        a = self.mixer(x, doc_ids) if cache is None else self.mixer(x, cache=cache, valid=valid)
+        x = self.mixer_site(blocks + [partial]) if self.mixer_site is not None else partial
+        if cache is None:
+            a = self.mixer(self.mixer_norm(x), doc_ids)
+        else:
+            a = self.mixer(self.mixer_norm(x), cache=cache, valid=valid)
         if self.starts_block:
             blocks = blocks + [partial]
             partial = a
         else:
             partial = partial + a
-        partial = partial + self.ffn(self.ffn_input(blocks + [partial]))
+        x = self.ffn_site(blocks + [partial])
+        partial = partial + self.ffn(self.ffn_norm(x))
         return blocks, partial
-
-    # The mixer's and the FFN's inputs, each an AttnRes site then an RMSNorm: one function each,
-    # so that training compiles them as one graph (parallelize.apply_compile) and the norm
-    # fuses into the site's kernel.
-    def mixer_input(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        x = self.mixer_site(sources) if self.mixer_site is not None else sources[-1]
-        return self.mixer_norm(x)
-
-    def ffn_input(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return self.ffn_norm(self.ffn_site(sources))
 
     def init_weights(self) -> None:
         for site in (self.mixer_site, self.ffn_site):

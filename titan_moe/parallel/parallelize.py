@@ -133,21 +133,16 @@ def apply_compile(
     fullgraph: bool = True,
     whole_layers: bool = False,
 ) -> None:
-    """torch.compile per sublayer of every decoder layer (its mixer, its FFN, and the input of
-    each: an AttnRes site and an RMSNorm, compiled together as the layer's `mixer_input` and
-    `ffn_input`) and per ViT block, with our Inductor passes; around nested FSDP units instead.
+    """torch.compile per sublayer of every decoder layer (its two AttnRes sites, two RMSNorms,
+    mixer and FFN) and per ViT block, with our Inductor passes; around nested FSDP units instead.
 
     Why sublayers, not whole decoder layers as torchtitan compiles its identical blocks: our
     layers differ (KDA or MLA mixer, dense or MoE FFN, and the number of AttnRes sources grows
     with depth), so whole layers are one distinct graph each, 16 for the proxy flavor, and their
     cold compile took over 5 minutes on the H200. Sublayers of one kind are the same graph in
     every layer: one KDA, one MLA, one dense FFN, one MoE graph, and per source count one small
-    input graph (13 graphs instead of 16 for a toy proxy, first step 50 s instead of 308 s on
-    CPU). The glue left eager is two residual adds per layer. Site and norm in one graph, not
-    two, save a round trip of the site's output through memory and two compiled-region calls
-    a layer each way, which the H200 waited on (bench/RESULTS.md, 2026-12-04, seventh session);
-    where the site and norm are FSDP units of their own (fp32 islands) they compile apart, as
-    units. A full-AC wrapper stays eager
+    AttnRes graph (13 graphs instead of 16 for a toy proxy, first step 50 s instead of 308 s on
+    CPU). The glue left eager is two residual adds per layer. A full-AC wrapper stays eager
     around its layer's compiled sublayers; op-level selective AC needs its policy inside the
     compiled graph, so `whole_layers` (set for it) compiles each layer, wrapper and all, whole.
 
@@ -170,14 +165,8 @@ def apply_compile(
             model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
             continue
         inner = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
-        input_modules = {"mixer_site", "mixer_norm", "ffn_site", "ffn_norm"}
-        fuse_inputs = not any(getattr(inner, name) in units for name in input_modules)
         for name, child in list(inner.named_children()):
-            if not (fuse_inputs and name in input_modules):
-                inner.register_module(name, _compile_around(child, compile_fn, units))
-        if fuse_inputs:
-            inner.mixer_input = compile_fn(inner.mixer_input)
-            inner.ffn_input = compile_fn(inner.ffn_input)
+            inner.register_module(name, _compile_around(child, compile_fn, units))
     vision = getattr(model, "vision", None)
     if vision is not None:
         for block_id, block in vision.blocks.named_children():
