@@ -1,7 +1,8 @@
 """Pipeline stages (titan_moe/parallel/pipeline.py), in one process: what crosses a cut against
 the model's own forward, the cuts against brute force, and the stages chained against the
 whole model (outputs and every parameter's gradient, float32, bit for bit: the stages run the
-model's own modules in the model's order)."""
+model's own modules in the model's order), with and without the vision tower on the first
+stage."""
 
 import dataclasses
 import itertools
@@ -9,6 +10,8 @@ import itertools
 import pytest
 import torch
 
+from titan_moe.data.images import image_patches
+from titan_moe.data.multimodal import MultimodalPacker, batch_item
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.pipeline import (
@@ -103,9 +106,11 @@ def test_bad_stages_are_one_error():
     model = _model()
     with pytest.raises(ValueError, match="must cover layers 0..7 in order"):
         split_into_stages(model, [range(0, 3), range(4, 8)])
-    vision = _model(vision="debug")
-    with pytest.raises(ValueError, match="titan_moe.vision must be 'none'"):
-        StageModule(vision, range(0, 4))
+    text_only = StageModule(model, range(0, 4))
+    tokens = torch.randint(0, model.args.vocab_size, (1, 8))
+    with pytest.raises(ValueError, match="the batch has image patches but titan_moe.vision"):
+        text_only(tokens, patches=torch.zeros(1, 4, 588), patch_pos=torch.zeros(1, 4, 2).long(),
+                  patch_image=torch.zeros(1, 4).long())
 
 
 def test_boundary_bytes_are_what_a_cut_sends():
@@ -148,3 +153,97 @@ def test_stage_init_weights_is_the_models_init_of_its_modules():
         assert torch.isfinite(tensor).all(), name
         if name.endswith(("expert_bias", "qb_hist", "expert_load", "norm.weight")):
             assert torch.equal(tensor, want[name]), name
+
+
+IMAGE_START, IMAGE_END = 4, 5  # any ids but the placeholder (image_token_id 3) and padding (0)
+
+
+def _multimodal_batch(model: TitanMoE, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """`rows` windows packed as the training data packs them (data/multimodal.py), each of
+    documents text, image, text: images of random size and pixels, text of random ids."""
+    vision, image_id = model.vision.args, model.args.image_token_id
+    g = torch.Generator().manual_seed(1)
+    packer, windows = MultimodalPacker(seq_len, vision, pad_id=0), []
+    while len(windows) < rows:
+        height, width = (int(x) for x in torch.randint(20, 60, (2,), generator=g))
+        patches, pos = image_patches(torch.rand(3, height, width, generator=g), vision)
+        placeholders = [image_id] * (len(patches) // vision.merge**2)
+        text = [torch.randint(10, model.args.vocab_size, (int(n),), generator=g).tolist()
+                for n in torch.randint(3, 12, (2,), generator=g)]
+        windows += packer.add([text[0], ([IMAGE_START, *placeholders, IMAGE_END], patches, pos),
+                               text[1]])
+    items = [batch_item(w, image_id)[0] for w in windows[:rows]]
+    return {k: torch.stack([x[k] for x in items]) for k in items[0]}
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_stages_chained_with_the_vision_tower_equal_the_model(pp):
+    """The tower on the first stage, its image inputs by keyword (as the trainer passes a batch's
+    extra inputs); later stages are handed them too (torch's multi-stage schedules give a rank's
+    keyword inputs to each of its stages) and ignore them. Outputs and every gradient, the
+    tower's included, equal the whole model's bit for bit (float32)."""
+    model = _model(vision="debug")
+    batch = _multimodal_batch(model, rows=2, seq_len=32)
+    assert all((batch["patch_image"][r] >= 0).any() for r in range(2)), "every row has an image"
+    images = {k: batch[k] for k in ("patches", "patch_pos", "patch_image")}
+    want = model(batch["input"], batch["doc_ids"], **images)
+    want.square().mean().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    tower = [f"vision.{n}" for n, _ in model.vision.named_parameters()]
+    assert all(want_grads[n].abs().sum() > 0 for n in tower), (
+        "every tower parameter has a gradient, so the comparison covers the tower")
+    model.zero_grad(set_to_none=True)
+
+    stages = split_into_stages(model, model_stages(model, pp))
+    assert stages[0].vision is model.vision
+    assert all(s.vision is None for s in stages[1:])
+    carried = stages[0](batch["input"], doc_ids=batch["doc_ids"], **images)
+    for stage in stages[1:-1]:
+        carried = stage(*carried, doc_ids=batch["doc_ids"], **images)
+    got = stages[-1](*carried, doc_ids=batch["doc_ids"], **images)
+    assert torch.equal(got, want)
+    got.square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+    names = {n for s in stages for n, _ in s.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+    assert {n for n, _ in stages[0].named_parameters() if n.startswith("vision.")} == set(tower)
+
+
+def test_stage_init_weights_initialises_the_vision_tower_as_the_model_does():
+    """One stage of the whole model draws in the model's order, so from one seed it equals the
+    model's init, the tower's included; the first of two stages sets every tower tensor with the
+    tower's init (zero biases, unit norm weights, finite weights)."""
+    args = _model(vision="debug").args
+
+    def materialised(stages):
+        with torch.device("meta"):
+            meta = TitanMoE(args)
+        parts = split_into_stages(meta, stages)
+        for part in parts:
+            part.to_empty(device="cpu")
+        torch.manual_seed(5)
+        for part in parts:
+            part.init_weights()
+        return parts
+
+    with torch.device("meta"):
+        model = TitanMoE(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    model.init_weights()
+    want = dict(model.named_parameters()) | dict(model.named_buffers())
+    (whole,) = materialised([range(0, 8)])
+    for name, tensor in itertools.chain(whole.named_parameters(), whole.named_buffers()):
+        assert torch.equal(tensor, want[name]), name
+    first, _ = materialised([range(0, 3), range(3, 8)])
+    for name, tensor in first.vision.named_parameters():
+        assert torch.isfinite(tensor).all(), name
+        if name.endswith("bias"):
+            assert not tensor.any(), name
+        elif tensor.dim() == 1:  # LayerNorm / RMSNorm weights
+            assert torch.equal(tensor, torch.ones_like(tensor)), name
+        else:
+            assert 0 < tensor.std() < 3 * args.init_std, name

@@ -273,8 +273,7 @@ def test_train_entrypoint_exits_2_on_bad_type(monkeypatch, capsys):
 
 
 PP2 = ["--training.device", "cpu", "--parallelism.pipeline_parallel_degree", "2"]
-PP_UNSUPPORTED = ("; pipeline parallelism runs text batches with sharding = 'fsdp2' and the "
-                  "full-logits loss")
+PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2' and the full-logits loss"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -287,8 +286,8 @@ PP_UNSUPPORTED = ("; pipeline parallelism runs text batches with sharding = 'fsd
     (["--training.loss_chunk", "32"],
      "parallelism.pipeline_parallel_degree = 2 does not support training.loss_chunk > 0"
      + PP_UNSUPPORTED),
-    (["--titan_moe.vision", "debug"],
-     "parallelism.pipeline_parallel_degree = 2 does not support titan_moe.vision (image batches)"
+    (["--titan_moe.vision", "debug", "--multimodal_eval.freq", "5"],
+     "parallelism.pipeline_parallel_degree = 2 does not support multimodal_eval.freq > 0"
      + PP_UNSUPPORTED),
     (["--eval.long_context"],
      "parallelism.pipeline_parallel_degree = 2 does not support eval.long_context"
@@ -319,3 +318,8 @@ def test_supported_pipeline_layouts_parse(monkeypatch):
     parse_job_config([*PP2, "--parallelism.expert_parallel_degree", "2"])
     parse_job_config([*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                       "--parallelism.pipeline_parallel_layers_per_stage", "2"])
+    # The vision tower sits on the first stage: image batches train under PP.
+    config = parse_job_config([*PP2, "--titan_moe.vision", "debug",
+                               "--training.image_data", "digits"])
+    assert config.parallelism.pipeline_parallel_degree == 2
+    assert config.training.image_data == "digits"

@@ -201,7 +201,7 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 units: the vision tower (if any), per layer (experts and fp32 islands first, as units
     of their own), the embedding, the head, then the root. A pipeline stage (parallel/pipeline.py)
-    holds the embedding on the first stage and the head on the last only.
+    holds the vision tower and the embedding on the first stage and the head on the last only.
 
     Gradient division is left to the trainer, which scales the loss by the global token count.
     """

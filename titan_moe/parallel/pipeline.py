@@ -15,6 +15,10 @@ its modules shared with the model (so parameter names, the checkpoint's keys, ar
 (tokens, doc_ids) (or doc_ids by keyword, as torchtitan's trainer passes a batch's extra
 inputs), every later one (doc_ids, *blocks, partial); the last returns the logits. The int32
 doc_ids travel with the hidden states because every layer's mixer reads them.
+
+The vision tower sits on the first stage: its output only replaces the `<|image|>` placeholders'
+embeddings, so the stage takes a multimodal batch's patches, patch_pos and patch_image by keyword
+(as the trainer passes them) and nothing about images crosses a cut.
 `boundary_bytes` is what one micro-batch sends across a cut.
 """
 
@@ -25,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from titan_moe.model.model import TitanMoE, init_embedding_weights, init_head_weights
+from titan_moe.model.vision import merged_valid, scatter_image_embeddings
 
 DOC_ID_BYTES = torch.int32.itemsize
 
@@ -94,34 +99,43 @@ def model_stages(model: TitanMoE, pp: int) -> list[range]:
 
 
 class StageModule(nn.Module):
-    """Layers `layers` of `model` (with the embedding on the first stage and the final AttnRes
-    site, norm and head on the last) as one pipeline stage."""
+    """Layers `layers` of `model` (with the embedding and the vision tower, if any, on the first
+    stage and the final AttnRes site, norm and head on the last) as one pipeline stage."""
 
     def __init__(self, model: TitanMoE, layers: range) -> None:
         super().__init__()
-        if model.vision is not None:
-            raise ValueError("pipeline stages of a model with a vision tower are not supported "
-                             "yet (titan_moe.vision must be 'none')")
         n = model.args.n_layers
         if not 0 <= layers.start < layers.stop <= n:
             raise ValueError(f"stage layers {layers}: must be a non-empty part of 0..{n - 1}")
         self.first, self.last = layers.start == 0, layers.stop == n
-        # What parallelize_titan_moe reads of a model: its args and its (absent) vision tower.
+        # parallelize_titan_moe reads a model's args, and its vision tower (None on later stages)
+        # to compile and shard it.
         self.args = model.args
-        self.vision = None
+        self.vision = model.vision if self.first else None
         self.tok_embeddings = model.tok_embeddings if self.first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         self.final_site = model.final_site if self.last else None
         self.norm = model.norm if self.last else None
         self.output = model.output if self.last else None
 
-    def forward(self, *inputs: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                patches: torch.Tensor | None = None, patch_pos: torch.Tensor | None = None,
+                patch_image: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.first:  # (tokens, doc_ids), or doc_ids by keyword as torchtitan passes it
             tokens, *rest = inputs
             doc_ids = rest[0] if rest else doc_ids
             blocks, partial = [], self.tok_embeddings(tokens)
+            if patches is not None:  # TitanMoE.forward's image step, on the same modules
+                if self.vision is None:
+                    raise ValueError("the batch has image patches but titan_moe.vision = 'none'")
+                merged = self.vision(patches, patch_pos, patch_image)
+                partial = scatter_image_embeddings(
+                    partial, tokens, self.args.image_token_id, merged,
+                    merged_valid(patch_image, self.vision.group))
         else:
+            # A later stage ignores the image inputs: torch's multi-stage schedules hand a rank's
+            # keyword inputs to every stage it runs, and the images entered at the first stage.
             doc_ids, *blocks, partial = inputs
         for layer in self.layers.values():
             blocks, partial = layer(blocks, partial, doc_ids)
@@ -141,6 +155,11 @@ class StageModule(nn.Module):
         if self.last:
             self.final_site.init_weights()
             self.norm.reset_parameters()
+        # After the last stage's final site and norm, as TitanMoE.init_weights draws: a model of
+        # one stage is then initialised exactly as the model.
+        if self.vision is not None:
+            self.vision.init_weights(self.args.init_std)
+        if self.last:
             init_head_weights(self.output)
 
 

@@ -241,9 +241,11 @@ def _check_context_parallel(job_config: Any, vision: str) -> None:
                 "context parallelism runs text batches with sharding = 'fsdp2', eager")
 
 
-def _check_pipeline_parallel(job_config: Any, vision: str, n_layers: int) -> None:
+def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
     """PP runs StageModules (titan_moe/parallel/pipeline.py) on the looped schedules tested
-    against one process (parallel/pipeline_schedule.py)."""
+    against one process (parallel/pipeline_schedule.py). Image batches train (the vision tower
+    sits on the first stage); the multimodal eval does not, it runs the whole model on one rank,
+    which a pipeline rank does not hold."""
     parallelism, training = job_config.parallelism, job_config.training
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
@@ -252,7 +254,7 @@ def _check_pipeline_parallel(job_config: Any, vision: str, n_layers: int) -> Non
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
         "training.loss_chunk > 0": training.loss_chunk > 0,
-        "titan_moe.vision (image batches)": vision != "none",
+        "multimodal_eval.freq > 0": job_config.multimodal_eval.freq > 0,
         "eval.long_context": job_config.eval.long_context,
         "validation.enable": job_config.validation.enable,
         "parallelism.pipeline_parallel_schedule_csv": bool(
@@ -264,7 +266,7 @@ def _check_pipeline_parallel(job_config: Any, vision: str, n_layers: int) -> Non
         if on:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_degree = {pp} does not support {name}; pipeline "
-                "parallelism runs text batches with sharding = 'fsdp2' and the full-logits loss")
+                "parallelism runs with sharding = 'fsdp2' and the full-logits loss")
     schedule = parallelism.pipeline_parallel_schedule
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {schedule!r} is not "
@@ -599,7 +601,7 @@ def _check_semantics(job_config: Any) -> None:
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
     n_layers = model_overrides(job_config).get("n_layers", getattr(flavor_args, "n_layers", 1))
-    _check_pipeline_parallel(job_config, _vision(job_config, flavor_args), n_layers)
+    _check_pipeline_parallel(job_config, n_layers)
     _check_context_parallel(job_config, _vision(job_config, flavor_args))
     # WORLD_SIZE spans the nodes under torchrun; run_train.sh checks before it, one node of NGPU.
     world_source = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "NGPU"
