@@ -16,6 +16,7 @@ until they were dropped. Every match is counted in `torch._dynamo.utils.counters
 import functools
 import hashlib
 import importlib
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -79,12 +80,25 @@ class FusionPasses(CustomGraphPass):
         if self.then is not None:
             return None  # a recorder must see every compile: no cache hits
         digest = hashlib.sha256(",".join(self.names).encode())
-        digest.update(Path(__file__).read_bytes())
-        for name in self.names:
-            module = importlib.import_module(PASS_MODULES[name])
-            digest.update(Path(module.__file__).read_bytes())
+        for path in pass_sources(self.names):
+            digest.update(path.read_bytes())
         digest.update(torch.__version__.encode())
         return digest.hexdigest()
+
+
+def pass_sources(names: Sequence[str]) -> list[Path]:
+    """The files the named passes' compiled graphs depend on: this registry, each pass module,
+    and every titan_moe module a pass takes a function from (its patterns are traced from the
+    model's own code, so an edit there must miss Inductor's cache too)."""
+    files = {Path(__file__)}
+    for name in names:
+        module = importlib.import_module(PASS_MODULES[name])
+        files.add(Path(module.__file__))
+        for value in vars(module).values():
+            origin = getattr(value, "__module__", None)
+            if isinstance(origin, str) and origin.startswith("titan_moe."):
+                files.add(Path(sys.modules[origin].__file__))
+    return sorted(files)
 
 
 def drop_noop_conversions(graph: torch.fx.Graph) -> int:

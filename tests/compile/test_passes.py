@@ -1,5 +1,7 @@
 """Each Inductor pass fires (matched count > 0) and keeps compiled results equal to eager."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -173,6 +175,14 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     gradient all but zero."""
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     return (out.float() * weight).sum()
+
+
+def test_pass_cache_key_covers_the_model_code_the_patterns_are_traced_from():
+    names = {path.relative_to(Path(registry.__file__).parents[1]).as_posix()
+             for path in registry.pass_sources(registry.PASS_NAMES)}
+    assert names >= {"compile_passes/registry.py", "compile_passes/attn_res_fusion.py",
+                     "titan_moe/model/attn_res.py", "titan_moe/model/situ_glu.py",
+                     "titan_moe/ops/kda/gate.py"}, names
 
 
 def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
