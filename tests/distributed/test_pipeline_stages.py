@@ -68,15 +68,33 @@ def test_stages_are_balanced_and_cut_on_blocks_while_there_are_enough(pp):
         balanced_stages(weights, 2, 9)
 
 
+def _gradients(model: torch.nn.Module, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of mean(out²), then cleared from the model."""
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_equal_to_the_model(model, stages, got, want, want_grads) -> None:
+    """The last stage's output and every gradient equal the whole model's bit for bit, and the
+    stages' parameter names are the model's (the checkpoint's keys: layers.<i>. ...)."""
+    assert torch.equal(got, want)
+    grads = _gradients(model, got)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+    names = {n for s in stages for n, _ in s.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
 @pytest.mark.parametrize("pp", [2, 3, 8])
 def test_stages_chained_equal_the_model_outputs_and_gradients(pp):
     model = _model()  # 8 layers (6 KDA, 2 MLA) in AttnRes blocks of 2, MoE from layer 1
     tokens = torch.randint(0, model.args.vocab_size, (2, 32))
     doc_ids = torch.cat([torch.zeros(2, 12), torch.ones(2, 20)], 1).int()
     want = model(tokens, doc_ids)
-    want.square().mean().backward()
-    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    want_grads = _gradients(model, want)
 
     stages = split_into_stages(model, model_stages(model, pp))
     assert len(stages) == pp
@@ -86,16 +104,7 @@ def test_stages_chained_equal_the_model_outputs_and_gradients(pp):
     for stage in stages[:-1]:
         carried = stage(*carried)
         assert len(carried) == 1 + boundary_tensors(2, stage_end(stage))  # doc_ids + tensors
-    got = stages[-1](*carried)
-    assert torch.equal(got, want)
-    got.square().mean().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert grads.keys() == want_grads.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, want_grads[name]), name
-    # Parameter names stay the model's (the checkpoint's keys): layers.<i>. ...
-    names = {n for s in stages for n, _ in s.named_parameters()}
-    assert names == {n for n, _ in model.named_parameters()}
+    _assert_equal_to_the_model(model, stages, stages[-1](*carried), want, want_grads)
 
 
 def stage_end(stage: StageModule) -> int:
@@ -187,12 +196,10 @@ def test_stages_chained_with_the_vision_tower_equal_the_model(pp):
     assert all((batch["patch_image"][r] >= 0).any() for r in range(2)), "every row has an image"
     images = {k: batch[k] for k in ("patches", "patch_pos", "patch_image")}
     want = model(batch["input"], batch["doc_ids"], **images)
-    want.square().mean().backward()
-    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    want_grads = _gradients(model, want)
     tower = [f"vision.{n}" for n, _ in model.vision.named_parameters()]
     assert all(want_grads[n].abs().sum() > 0 for n in tower), (
         "every tower parameter has a gradient, so the comparison covers the tower")
-    model.zero_grad(set_to_none=True)
 
     stages = split_into_stages(model, model_stages(model, pp))
     assert stages[0].vision is model.vision
@@ -201,14 +208,7 @@ def test_stages_chained_with_the_vision_tower_equal_the_model(pp):
     for stage in stages[1:-1]:
         carried = stage(*carried, doc_ids=batch["doc_ids"], **images)
     got = stages[-1](*carried, doc_ids=batch["doc_ids"], **images)
-    assert torch.equal(got, want)
-    got.square().mean().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert grads.keys() == want_grads.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, want_grads[name]), name
-    names = {n for s in stages for n, _ in s.named_parameters()}
-    assert names == {n for n, _ in model.named_parameters()}
+    _assert_equal_to_the_model(model, stages, got, want, want_grads)
     assert {n for n, _ in stages[0].named_parameters() if n.startswith("vision.")} == set(tower)
 
 

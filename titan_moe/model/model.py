@@ -119,14 +119,8 @@ class TitanMoE(nn.Module):
         if cache is not None and doc_ids is not None:
             raise ValueError("doc_ids and cache exclude each other: a cached row is one document")
         blocks: list[torch.Tensor] = []
-        partial = self.tok_embeddings(tokens)
-        if patches is not None:
-            if self.vision is None:
-                raise ValueError("the batch has image patches but titan_moe.vision = 'none'")
-            merged = self.vision(patches, patch_pos, patch_image)
-            partial = scatter_image_embeddings(
-                partial, tokens, self.args.image_token_id, merged,
-                merged_valid(patch_image, self.vision.group))
+        partial = embed_inputs(self.tok_embeddings, self.vision, self.args.image_token_id,
+                               tokens, patches, patch_pos, patch_image)
         for i, layer in enumerate(self.layers.values()):
             state = None if cache is None else cache[i]
             blocks, partial = layer(blocks, partial, doc_ids, state, valid)
@@ -146,6 +140,28 @@ class TitanMoE(nn.Module):
         if self.vision is not None:
             self.vision.init_weights(self.args.init_std)
         init_head_weights(self.output)
+
+
+def embed_inputs(
+    tok_embeddings: nn.Embedding,
+    vision: VisionTower | None,
+    image_token_id: int,
+    tokens: torch.Tensor,
+    patches: torch.Tensor | None = None,
+    patch_pos: torch.Tensor | None = None,
+    patch_image: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first residual source: the token embeddings, with the tower's merged patch embeddings
+    at the image tokens when the batch has patches. Shared by the model and its first pipeline
+    stage."""
+    embedded = tok_embeddings(tokens)
+    if patches is None:
+        return embedded
+    if vision is None:
+        raise ValueError("the batch has image patches but titan_moe.vision = 'none'")
+    merged = vision(patches, patch_pos, patch_image)
+    return scatter_image_embeddings(embedded, tokens, image_token_id, merged,
+                                    merged_valid(patch_image, vision.group))
 
 
 def init_embedding_weights(embedding: nn.Embedding) -> None:

@@ -28,8 +28,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from titan_moe.model.model import TitanMoE, init_embedding_weights, init_head_weights
-from titan_moe.model.vision import merged_valid, scatter_image_embeddings
+from titan_moe.model.model import (
+    TitanMoE,
+    embed_inputs,
+    init_embedding_weights,
+    init_head_weights,
+)
 
 DOC_ID_BYTES = torch.int32.itemsize
 
@@ -125,14 +129,9 @@ class StageModule(nn.Module):
         if self.first:  # (tokens, doc_ids), or doc_ids by keyword as torchtitan passes it
             tokens, *rest = inputs
             doc_ids = rest[0] if rest else doc_ids
-            blocks, partial = [], self.tok_embeddings(tokens)
-            if patches is not None:  # TitanMoE.forward's image step, on the same modules
-                if self.vision is None:
-                    raise ValueError("the batch has image patches but titan_moe.vision = 'none'")
-                merged = self.vision(patches, patch_pos, patch_image)
-                partial = scatter_image_embeddings(
-                    partial, tokens, self.args.image_token_id, merged,
-                    merged_valid(patch_image, self.vision.group))
+            blocks = []
+            partial = embed_inputs(self.tok_embeddings, self.vision, self.args.image_token_id,
+                                   tokens, patches, patch_pos, patch_image)
         else:
             # A later stage ignores the image inputs: torch's multi-stage schedules hand a rank's
             # keyword inputs to every stage it runs, and the images entered at the first stage.
