@@ -27,27 +27,7 @@ from titan_moe.ops.kda import (
     recurrent_kda_step,
     resolve_backend,
 )
-
-
-def causal_depthwise_conv(
-    x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """y_t = Σ_j weight[:, j] · x_{t−(K−1−j)}, taps from earlier documents (or before 0) dropped.
-
-    x: [B, T, C]; weight: [C, K] (the last tap is the current token); doc_ids: [B, T] or None.
-    """
-    k = weight.shape[-1]
-    t = x.shape[1]
-    padded = F.pad(x, (0, 0, k - 1, 0))
-    if doc_ids is not None:
-        doc_padded = F.pad(doc_ids, (k - 1, 0), value=-1)
-    out = torch.zeros_like(x)
-    for j in range(k):
-        tap = padded[:, j : j + t] * weight[:, j]
-        if doc_ids is not None:
-            tap = tap * (doc_padded[:, j : j + t] == doc_ids).unsqueeze(-1).to(x.dtype)
-        out = out + tap
-    return out
+from titan_moe.ops.short_conv import causal_depthwise_conv, short_conv
 
 
 @dataclass
@@ -69,8 +49,9 @@ def last_valid(window: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tenso
 class KimiDeltaAttention(nn.Module):
     # The two steps that mix along the sequence. Context parallelism
     # (titan_moe/parallel/context_parallel.py) replaces them per instance with versions that
-    # exchange the conv halo and the state.
-    sequence_conv = staticmethod(causal_depthwise_conv)
+    # exchange the conv halo and the state. sequence_conv_act(x, weight, doc_ids, head_dim) is
+    # the short convolution: causal conv, SiLU and (head_dim) the per-head L2 norm of q and k.
+    sequence_conv_act = staticmethod(short_conv)
     sequence_recurrence = staticmethod(chunk_kda_fused_gate)
 
     def __init__(self, args: TitanMoEArgs) -> None:
@@ -113,13 +94,12 @@ class KimiDeltaAttention(nn.Module):
         # The recurrence takes its inputs in the projections' dtype (bf16 under autocast), not
         # the residual stream's (fp32 under autocast): the kernels compute in fp32 either way,
         # but fp32 inputs select IEEE fp32 GEMMs, several times slower and minutes to compile.
+        # The short conv computes in fp32 and returns its input's dtype, the projections'.
         act = q.dtype
-        q = F.silu(self.sequence_conv(q, self.conv_q, doc_ids)).view(shape)
-        k = F.silu(self.sequence_conv(self.w_k(x), self.conv_k, doc_ids)).view(shape)
-        v = F.silu(self.sequence_conv(self.w_v(x), self.conv_v, doc_ids)).view(shape).to(act)
+        q = self.sequence_conv_act(q, self.conv_q, doc_ids, self.head_dim).view(shape)
+        k = self.sequence_conv_act(self.w_k(x), self.conv_k, doc_ids, self.head_dim).view(shape)
+        v = self.sequence_conv_act(self.w_v(x), self.conv_v, doc_ids, None).view(shape)
         wide = torch.promote_types(act, torch.float32)
-        q = F.normalize(q.to(wide), dim=-1, eps=1e-6).to(act)
-        k = F.normalize(k.to(wide), dim=-1, eps=1e-6).to(act)
         beta = torch.sigmoid(self.w_beta(x).to(wide))
         g_raw = self.w_f_up(self.w_f_down(x)).view(shape)
         o, _ = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,

@@ -1,7 +1,8 @@
 """Context parallelism: one sequence split into contiguous shards over the ranks of a group.
 
 Applied from outside the model (`apply_context_parallel`), per mixer instance:
-  KDA conv    each rank prepends the last K−1 projected tokens of the previous shard (the halo).
+  KDA conv    each rank prepends the last K−1 projected tokens of the previous shard (the halo)
+              and runs the short conv (conv, SiLU, per-head norm) on the extended shard.
   KDA state   over a shard the state map is affine, S_out = M S_in + S_local, with M [K,K]
               (the product of (I − β k kᵀ) Diag(e^g), zero once a document starts in the shard).
               One chunk_kda pass over v_aug = [v | 0_K] from S_aug = [0 | I] returns
@@ -33,9 +34,10 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
-from titan_moe.model.kda import KimiDeltaAttention, causal_depthwise_conv
+from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.ops.kda import chunk_kda_fused_gate
+from titan_moe.ops.short_conv import short_conv
 
 
 def shard_sequence(x: Tensor, group: dist.ProcessGroup, dim: int = 1) -> Tensor:
@@ -66,7 +68,7 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):
-            module.sequence_conv = partial(_conv_with_halo, group)
+            module.sequence_conv_act = partial(_conv_act_with_halo, group)
             module.sequence_recurrence = partial(_recurrence_across_shards, group)
         elif isinstance(module, GatedMLA):
             module.latent_prefix = partial(_gathered_latent_prefix, group, module.kv_lora)
@@ -93,9 +95,12 @@ def _local_docs(x: Tensor, doc_ids: Tensor | None) -> Tensor:
         else doc_ids.long()
 
 
-def _conv_with_halo(
-    group: dist.ProcessGroup, x: Tensor, weight: Tensor, doc_ids: Tensor | None
+def _conv_act_with_halo(
+    group: dist.ProcessGroup, x: Tensor, weight: Tensor, doc_ids: Tensor | None,
+    head_dim: int | None,
 ) -> Tensor:
+    """`short_conv` of this rank's shard: over [halo | shard], the halo rows then cut off (SiLU
+    and the norm are per token; the halo's gradient flows back through the gather)."""
     halo = weight.shape[-1] - 1
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[1] < halo:
@@ -107,7 +112,7 @@ def _conv_with_halo(
     # A ring: rank 0 takes the last rank's tail with document -1, so the conv drops its taps.
     prev = tails[(rank - 1) % size]
     prev_docs = tail_docs[(rank - 1) % size] if rank > 0 else torch.full_like(tail_docs[0], -1)
-    y = causal_depthwise_conv(torch.cat([prev, x], 1), weight, torch.cat([prev_docs, docs], 1))
+    y = short_conv(torch.cat([prev, x], 1), weight, torch.cat([prev_docs, docs], 1), head_dim)
     return y[:, halo:]
 
 

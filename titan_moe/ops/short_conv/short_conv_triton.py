@@ -1,0 +1,273 @@
+"""Short convolution (causal depthwise conv + SiLU + optional per-head L2 norm) in Triton.
+
+    forward   one program per (BLOCK_T rows of one sequence, CH channels)
+    backward  one persistent program per (group of row blocks, CH channels)
+
+CH is one head (head_dim) when the norm is on, so ||a|| is a row reduction inside the program;
+without the norm CH is up to 128 channels. The forward reads the K taps of a row block as K
+loads shifted by 0..K−1 rows (the K−1 halo rows above the block come from the first ones; the
+overlap hits L1/L2), masks taps before t = 0 or in another document (doc_ids of the tap row ≠
+the row's own), and computes in fp32: z = Σ_j w_j x_{t−(K−1−j)}, a = SiLU(z), y = a / max(||a||,
+eps) per head, stored in x's dtype. It saves nothing: autograd keeps x and the weight anyway.
+
+The backward recomputes instead of storing z or dz. dx_t = Σ_s w_{K−1−s} dz_{t+s} over the
+rows t + s (s < K) of the same document, so a program recomputes dz at its rows shifted by each
+s = 0..K−1 (z from K shifted loads of x, then SiLU, the norm's backward and SiLU's): K² + K
+tile loads of x and K of dy, nearly all L1/L2 hits. DRAM sees x and dy read once and dx
+written once, the floor (6 bytes an element in bf16), where a split into two kernels would
+write and re-read an fp32 dz (8 more); the price is L1 traffic and recomputed SiLUs, which may
+bound it instead (not yet measured). The s = 0 pass also
+yields dweight[c, j] = Σ_t dz_t x_{t−(K−1−j)} (same mask): each program accumulates its rows'
+share in registers and writes one [C, K] fp32 partial; PyTorch sums the partials (one per
+program along the rows, at most TARGET_PROGRAMS / channel blocks of them, so the buffer stays
+small): deterministic, no atomics.
+
+Backward of the norm, F.normalize's semantics y = a / max(||a||, eps): da = (dy − y <dy, y>) /
+||a|| where ||a|| >= eps (torch's clamp_min passes the gradient at equality), da = dy / eps
+below it. Of SiLU: dz = da σ(z) (1 + z (1 − σ(z))).
+
+Launch parameters are fixed, no autotuning, so each kernel compiles in about a second (sm_90,
+`bench/short_conv.py --compile-times`: 0.2-1.2 s on the dev host). A program's tile holds
+FWD_TILE / BWD_TILE elements (16 / 8 rows of a 128-channel head), 4 warps: ptxas (sm_90a) gives
+the forward ~155 registers, the backward 214-255 with at most 4 bytes of spill; 2x larger tiles
+spill hundreds of bytes in the backward. Untuned on a GPU: bench/short_conv.py times them.
+A backward that loads the 2K − 1 distinct x rows once (z for all K shifts in one
+[BLOCK_T, K, BLOCK_C] tile) was tried and dropped: it used as many registers and spilled, and
+the x rows broadcast along the shift axis are likely loaded once per warp of that axis anyway.
+
+`titan_moe::short_conv` and `titan_moe::short_conv_bwd` are `torch.library.triton_op`s (torch
+.compile sees the kernels; autograd is registered on the forward). Inductor cannot compile user
+Triton kernels for CPU tensors: callers branch on the device (`titan_moe.ops.short_conv`).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from titan_moe.ops.short_conv.naive import NORM_EPS
+
+# BLOCK_T * BLOCK_C of a program's tiles, forward and backward, and their warps.
+FWD_TILE, FWD_WARPS = 2048, 4
+BWD_TILE, BWD_WARPS = 1024, 4
+MAX_BLOCK_T = 32
+NO_NORM_CHANNELS = 128  # channels a program takes when there is no per-head norm
+TARGET_PROGRAMS = 1024  # backward programs (row groups x channel blocks): dweight partials
+
+
+@triton.jit
+def _tap(x_seq, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C, shift,
+         HAS_DOCS: tl.constexpr):  # fmt: skip
+    """x_{t−shift} at rows t as fp32, zero where t − shift < 0 or in another document."""
+    src = rows - shift
+    ok = row_ok & (src >= 0)
+    if HAS_DOCS:
+        ok = ok & (tl.load(doc_seq + src, mask=ok, other=0) == doc_rows)
+    offs = src.to(tl.int64)[:, None] * C + cols[None, :]
+    return tl.load(x_seq + offs, mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
+                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                   HAS_DOCS: tl.constexpr):  # fmt: skip
+    """z_t = Σ_j w[:, j] x_{t−(K−1−j)} at rows t: [BLOCK_T, BLOCK_C] fp32."""
+    z = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + cols * K + j, mask=col_ok, other=0.0).to(tl.float32)
+        xv = _tap(x_seq, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C, K - 1 - j, HAS_DOCS)
+        z += xv * w[None, :]
+    return z
+
+
+@triton.jit
+def _row_docs(doc_seq, rows, row_ok, HAS_DOCS: tl.constexpr):
+    if HAS_DOCS:
+        return tl.load(doc_seq + rows, mask=row_ok, other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def short_conv_fwd_kernel(
+    x_ptr, w_ptr, doc_ptr, y_ptr, T, C, n_t_blocks,
+    K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    seq = (pid // n_t_blocks).to(tl.int64) * T
+    rows = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    lanes = tl.arange(0, BLOCK_C)
+    cols = tl.program_id(1) * CH + lanes
+    col_ok = (lanes < CH) & (cols < C)
+    x_seq = x_ptr + seq * C
+    doc_seq = doc_ptr
+    if HAS_DOCS:
+        doc_seq = doc_ptr + seq
+    doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
+    z = _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
+                       K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    y = z * tl.sigmoid(z)
+    if NORM:
+        norm = tl.sqrt(tl.sum(y * y, axis=1))
+        y = y / tl.maximum(norm, EPS)[:, None]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    tl.store(y_ptr + seq * C + offs, y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grad_preactivation(z, dy, NORM: tl.constexpr, EPS: tl.constexpr):
+    """dL/dz from dL/dy through SiLU and (NORM) y = a / max(||a||, eps) per row."""
+    sig = tl.sigmoid(z)
+    da = dy
+    if NORM:
+        a = z * sig
+        norm = tl.sqrt(tl.sum(a * a, axis=1))
+        inv = 1.0 / tl.maximum(norm, EPS)
+        y = a * inv[:, None]
+        proj = tl.sum(dy * y, axis=1)
+        da = tl.where((norm >= EPS)[:, None], dy - y * proj[:, None], dy) * inv[:, None]
+    return da * sig * (1.0 + z * (1.0 - sig))
+
+
+@triton.jit
+def short_conv_bwd_kernel(
+    x_ptr, w_ptr, doc_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, n_t_blocks, n_blocks, n_programs,
+    K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+):  # fmt: skip
+    lanes = tl.arange(0, BLOCK_C)
+    cols = tl.program_id(1) * CH + lanes
+    col_ok = (lanes < CH) & (cols < C)
+    taps = tl.arange(0, BLOCK_K)
+    dw = tl.zeros([BLOCK_C, BLOCK_K], dtype=tl.float32)
+    # Row blocks pid, pid + n_programs, ... (n_programs: the grid's first size). A while loop:
+    # Triton 3.6's interpreter cannot take a runtime range() bound under NumPy 2.
+    block = tl.program_id(0)
+    while block < n_blocks:
+        seq = (block // n_t_blocks).to(tl.int64) * T
+        rows = (block % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        x_seq = x_ptr + seq * C
+        dy_seq = dy_ptr + seq * C
+        doc_seq = doc_ptr
+        if HAS_DOCS:
+            doc_seq = doc_ptr + seq
+        doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
+        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for s in tl.static_range(K):
+            # dz at row t + s reaches dx_t through tap K − 1 − s, within one document.
+            later = rows + s
+            later_ok = later < T
+            doc_later = _row_docs(doc_seq, later, later_ok, HAS_DOCS)
+            z = _preactivation(x_seq, w_ptr, doc_seq, later, later_ok, doc_later, cols, col_ok,
+                               C, K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+            offs = later.to(tl.int64)[:, None] * C + cols[None, :]
+            dy = tl.load(dy_seq + offs, mask=later_ok[:, None] & col_ok[None, :],
+                         other=0.0).to(tl.float32)
+            dz = _grad_preactivation(z, dy, NORM, EPS)
+            reach = later_ok
+            if HAS_DOCS:
+                reach = reach & (doc_later == doc_rows)
+            w = tl.load(w_ptr + cols * K + (K - 1 - s), mask=col_ok, other=0.0).to(tl.float32)
+            dx += tl.where(reach[:, None], dz, 0.0) * w[None, :]
+            if s == 0:
+                # dz is zero on rows past T (dy is), so only the tap mask matters here.
+                for j in tl.static_range(K):
+                    xv = _tap(x_seq, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
+                              K - 1 - j, HAS_DOCS)  # fmt: skip
+                    dw += tl.where(taps[None, :] == j, tl.sum(dz * xv, axis=0)[:, None], 0.0)
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        tl.store(dx_ptr + seq * C + offs, dx.to(dx_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+        block += n_programs
+    dw_offs = tl.program_id(0).to(tl.int64) * C * K + cols[:, None] * K + taps[None, :]
+    tl.store(dw_ptr + dw_offs, dw, mask=col_ok[:, None] & (taps[None, :] < K))
+
+
+def validate_short_conv_inputs(
+    x: Tensor, weight: Tensor, doc_ids: Tensor | None, head_dim: int | None
+) -> None:
+    if x.ndim != 3:
+        raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+    batch, seq_len, channels = x.shape
+    if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C, K] = [{channels}, K >= 1], got "
+                         f"{tuple(weight.shape)}")
+    if doc_ids is not None and tuple(doc_ids.shape) != (batch, seq_len):
+        raise ValueError(f"doc_ids must be [B, T] = [{batch}, {seq_len}], got "
+                         f"{tuple(doc_ids.shape)}")
+    if head_dim is not None and (head_dim < 0 or (head_dim and channels % head_dim)):
+        raise ValueError(f"head_dim must divide C = {channels} (or be None/0: no norm), got "
+                         f"{head_dim}")
+
+
+def _launch(x: Tensor, head_dim: int, tile: int) -> tuple[int, int, int, int]:
+    """(channels a program takes, BLOCK_C, BLOCK_T, channel blocks)."""
+    channels = x.shape[-1]
+    per_program = head_dim if head_dim else min(NO_NORM_CHANNELS, channels)
+    block_c = triton.next_power_of_2(per_program)
+    block_t = max(1, min(MAX_BLOCK_T, tile // block_c))
+    return per_program, block_c, block_t, triton.cdiv(channels, per_program)
+
+
+@triton_op("titan_moe::short_conv", mutates_args=())
+def short_conv_triton(x: Tensor, weight: Tensor, doc_ids: Tensor | None, head_dim: int) -> Tensor:
+    """`naive.short_conv_naive` in one kernel: x [B, T, C] (fp32/bf16/fp16), weight [C, K],
+    doc_ids [B, T] int or None, head_dim (0: no norm) -> y [B, T, C] in x's dtype."""
+    validate_short_conv_inputs(x, weight, doc_ids, head_dim)
+    x, weight = x.contiguous(), weight.contiguous()
+    doc_ids = None if doc_ids is None else doc_ids.contiguous()
+    batch, seq_len, channels = x.shape
+    per_program, block_c, block_t, n_c_blocks = _launch(x, head_dim, FWD_TILE)
+    n_t_blocks = triton.cdiv(seq_len, block_t)
+    y = torch.empty_like(x)
+    wrap_triton(short_conv_fwd_kernel)[(batch * n_t_blocks, n_c_blocks)](
+        x, weight, doc_ids, y, seq_len, channels, n_t_blocks,
+        K=weight.shape[1], CH=per_program, BLOCK_T=block_t, BLOCK_C=block_c,
+        HAS_DOCS=doc_ids is not None, NORM=head_dim > 0, EPS=NORM_EPS, num_warps=FWD_WARPS,
+    )  # fmt: skip
+    return y
+
+
+@triton_op("titan_moe::short_conv_bwd", mutates_args=())
+def short_conv_bwd_triton(
+    dy: Tensor, x: Tensor, weight: Tensor, doc_ids: Tensor | None, head_dim: int
+) -> tuple[Tensor, Tensor]:
+    """(dx in x's dtype, dweight in weight's dtype) of `short_conv_triton` given dy."""
+    dy, x, weight = dy.contiguous(), x.contiguous(), weight.contiguous()
+    doc_ids = None if doc_ids is None else doc_ids.contiguous()
+    batch, seq_len, channels = x.shape
+    taps = weight.shape[1]
+    per_program, block_c, block_t, n_c_blocks = _launch(x, head_dim, BWD_TILE)
+    n_t_blocks = triton.cdiv(seq_len, block_t)
+    n_blocks = batch * n_t_blocks
+    n_row_programs = max(1, min(n_blocks, TARGET_PROGRAMS // n_c_blocks))
+    dx = torch.empty_like(x)
+    partial = torch.empty(n_row_programs, channels, taps, device=x.device, dtype=torch.float32)
+    wrap_triton(short_conv_bwd_kernel)[(n_row_programs, n_c_blocks)](
+        x, weight, doc_ids, dy, dx, partial, seq_len, channels, n_t_blocks, n_blocks,
+        n_row_programs,
+        K=taps, CH=per_program, BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_K=triton.next_power_of_2(taps), HAS_DOCS=doc_ids is not None, NORM=head_dim > 0,
+        EPS=NORM_EPS, num_warps=BWD_WARPS,
+    )  # fmt: skip
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, doc_ids, head_dim = inputs
+    ctx.save_for_backward(x, weight, doc_ids)
+    ctx.head_dim = head_dim
+
+
+def _backward(ctx, dy: Tensor):
+    x, weight, doc_ids = ctx.saved_tensors
+    dx, dweight = short_conv_bwd_triton(dy, x, weight, doc_ids, ctx.head_dim)
+    return dx, dweight, None, None
+
+
+short_conv_triton.register_autograd(_backward, setup_context=_setup_context)
