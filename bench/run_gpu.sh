@@ -34,6 +34,7 @@ step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout
     --timeout-method=thread -o faulthandler_timeout=120
 step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
 step kda python3 bench/kda.py --out "$out/kda.json"
+step attn_res python3 bench/attn_res.py --out "$out/attn_res.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 step long_context python3 bench/long_context.py --out "$out/long_context.json"

@@ -16,6 +16,10 @@ row kernel plus the column reduction for γ and w). The patterns are traced from
 own `attn_res_mix` (the site without its final cast back to the sources' dtype, which Inductor
 folds away on CUDA when an RMSNorm follows) for each source count and dtype a graph actually
 contains (found from its `cat` nodes), the first time that graph is compiled.
+
+On CUDA the model's sites call the Triton op (titan_moe/ops/attn_res), which already reads each
+source once: such a graph has no stacked site and this pass matches nothing there. It still
+fuses the PyTorch reference, which CPU graphs (and float64 or n > 9 sites) use.
 """
 
 import inspect

@@ -88,16 +88,20 @@ class FusionPasses(CustomGraphPass):
 
 def pass_sources(names: Sequence[str]) -> list[Path]:
     """The files the named passes' compiled graphs depend on: this registry, each pass module,
-    and every titan_moe module a pass takes a function from (its patterns are traced from the
-    model's own code, so an edit there must miss Inductor's cache too)."""
+    and every titan_moe module a pass takes a function from, and so on transitively (its patterns
+    are traced from the model's own code, which may call on into titan_moe.ops, e.g. the AttnRes
+    site's reference; an edit there must miss Inductor's cache too)."""
     files = {Path(__file__)}
-    for name in names:
-        module = importlib.import_module(PASS_MODULES[name])
+    pending = [importlib.import_module(PASS_MODULES[name]) for name in names]
+    seen = {module.__name__ for module in pending}
+    while pending:
+        module = pending.pop()
         files.add(Path(module.__file__))
         for value in vars(module).values():
             origin = getattr(value, "__module__", None)
-            if isinstance(origin, str) and origin.startswith("titan_moe."):
-                files.add(Path(sys.modules[origin].__file__))
+            if isinstance(origin, str) and origin.startswith("titan_moe.") and origin not in seen:
+                seen.add(origin)
+                pending.append(sys.modules[origin])
     return sorted(files)
 
 

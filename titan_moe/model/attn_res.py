@@ -8,11 +8,14 @@ For sources V_1..V_n ([B, T, d]) at one site with pseudo-query w and gain γ (bo
     out     = Σ_i p_i V_i            (the raw, un-normalised sources)
 
 w starts at 0, so every site starts as the uniform mean of its sources. All of it runs in fp32
-(or wider); the result is cast back to the sources' dtype.
+(or wider); the result is cast back to the sources' dtype. The maths lives in
+titan_moe/ops/attn_res: a Triton op on CUDA, the PyTorch reference elsewhere.
 """
 
 import torch
 import torch.nn as nn
+
+from titan_moe.ops.attn_res import attn_res_mix as ops_attn_res_mix
 
 
 class AttnResSite(nn.Module):
@@ -34,13 +37,9 @@ def attn_res_mix(
     sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """The site's output in fp32 at least (float64 stays float64, for the reference tests), never
-    in AMP's bf16; the site casts it back to the sources' dtype. Kept apart from that cast so
-    that compile_passes/attn_res_fusion.py can match the mix alone: on CUDA Inductor folds the
-    cast to bf16 and the next RMSNorm's cast back to fp32 away."""
-    dtype = torch.promote_types(sources[0].dtype, torch.float32)
-    with torch.autocast(sources[0].device.type, enabled=False):
-        v = torch.stack(sources).to(dtype)
-        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-        scores = keys @ (gain * query).to(dtype)
-        p = torch.softmax(scores, dim=0)
-        return (p.unsqueeze(-1) * v).sum(0)
+    in AMP's bf16; the site casts it back to the sources' dtype. On CUDA the Triton op
+    (titan_moe/ops/attn_res), elsewhere the PyTorch reference
+    (`titan_moe.ops.attn_res.attn_res_mix_naive`). Kept apart from the cast so that
+    compile_passes/attn_res_fusion.py can match the mix alone (its patterns are traced from this
+    function on CPU, i.e. from the reference)."""
+    return ops_attn_res_mix(sources, query, gain, eps)
