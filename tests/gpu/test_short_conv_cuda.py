@@ -87,7 +87,7 @@ def test_dispatcher_compiles_fullgraph_and_matches_eager():
 
 def _layer_run(layer, x, doc_ids, module=None):
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = (module or layer)(x, doc_ids)
+        y = (layer if module is None else module)(x, doc_ids)
     params = [x, layer.conv_q, layer.conv_k, layer.conv_v, layer.w_q.weight, layer.w_v.weight]
     return [y, *torch.autograd.grad(y.float().square().mean(), params)]
 

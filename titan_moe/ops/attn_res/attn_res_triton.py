@@ -18,8 +18,8 @@ them); pass 2 re-reads V_i (just read by the same program: L2-hot) and writes
     dV_i = p_i g + ds_i r_i u - (ds_i s_i r_i² / d) V_i,    ds_i = p_i (dp_i - c)
 
 in V_i's dtype, adding Σ_rows ds_i r_i V_i into the program's du row. The du partials are a
-[programs, d] fp32 buffer that PyTorch sums: deterministic, no atomics, and small (2 programs
-an SM: 132·2·d·4 bytes, ~2 MB at d = 2048 against ~0.7 GB the backward moves for n = 9 at
+[programs, d] fp32 buffer that PyTorch sums: deterministic, no atomics, and small (4 programs
+an SM: 132·4·d·4 bytes, ~4 MB at d = 2048 against ~0.7 GB the backward moves for n = 9 at
 8192 rows).
 
 The sources are separate pointer arguments s0..s8 (None when unused), picked by a constexpr
@@ -63,14 +63,16 @@ from torch.library import triton_op, wrap_triton
 from titan_moe.ops.attn_res.naive import MAX_SOURCES, validate_attn_res_inputs
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# BLOCK_ROWS * BLOCK_D of a program's tile: [4, 2048] forward, [2, 2048] backward at d = 2048.
-# The backward's is smaller so that what its resident programs read between a source's two
-# loads (2 programs an SM × n = 9 tiles, ~22 MB at d = 2048, plus g and the dV stores) stays
-# well inside the H200's 50 MB L2. Untuned: the first H200 run of bench/attn_res.py may move it.
+# BLOCK_ROWS * BLOCK_D of a program's tile, from a tile sweep on the H200 (2026-12-04, rows 8192,
+# d 2048, n = 2 / 5 / 9, source 0 fp32, the rest bf16; bench/RESULTS.md). Forward: the program's
+# n source tiles together hold about FWD_ROW_ELEMENTS (n = 2: 2 rows, n ≥ 3: 1 row at d = 2048;
+# 4 warps): 0.113 / 0.170 / 0.275 ms against 0.122 / 0.268 / 0.323 ms for 4 rows and 8 warps
+# whatever n. Backward: 2 rows, 4 warps, 4 programs an SM: 0.17 / 0.26 / 0.47 ms against
+# 0.16 / 0.34 / 0.58 ms for 8 warps and 2 programs an SM.
 FWD_ROW_ELEMENTS = 8192
 BWD_ROW_ELEMENTS = 4096
 MAX_BLOCK_ROWS = 8
-PROGRAMS_PER_SM = 2  # the backward's persistent grid; CPU (interpreter) runs use CPU_PROGRAMS
+PROGRAMS_PER_SM = 4  # the backward's persistent grid; CPU (interpreter) runs use CPU_PROGRAMS
 CPU_PROGRAMS = 2
 
 
@@ -205,7 +207,7 @@ def _blocks(dim: int, row_elements: int) -> tuple[int, int, int]:
     block_d = triton.next_power_of_2(dim)
     block_rows = max(1, min(MAX_BLOCK_ROWS, row_elements // block_d))
     tile = block_rows * block_d
-    num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+    num_warps = 4 if tile <= 4096 else 8 if tile <= 8192 else 16
     return block_rows, block_d, num_warps
 
 
@@ -251,7 +253,7 @@ def attn_res_fwd(
     u = (gain * query).float().contiguous()  # rounded as the reference rounds it
     out = torch.empty(sources[0].shape, device=device, dtype=torch.float32)
     stats = torch.empty(3, n, n_rows, device=device, dtype=torch.float32)
-    block_rows, block_d, num_warps = _blocks(dim, FWD_ROW_ELEMENTS)
+    block_rows, block_d, num_warps = _blocks(dim, FWD_ROW_ELEMENTS // n)
     wrap_triton(attn_res_fwd_kernel)[(triton.cdiv(n_rows, block_rows),)](
         *_padded(sources), u, out, stats, n_rows, eps,
         N=n, D=dim, BLOCK_ROWS=block_rows, BLOCK_D=block_d,

@@ -1,7 +1,8 @@
 """Short convolution (causal depthwise conv + SiLU + optional per-head L2 norm) in Triton.
 
     forward   one program per (BLOCK_T rows of one sequence, CH channels)
-    backward  one persistent program per (group of row blocks, CH channels)
+    backward  dz: one program per forward tile; dx, dweight: one persistent program per
+              (group of row blocks, CH channels)
 
 CH is one head (head_dim) when the norm is on, so ||a|| is a row reduction inside the program;
 without the norm CH is up to 128 channels. The forward reads the K taps of a row block as K
@@ -10,30 +11,27 @@ overlap hits L1/L2), masks taps before t = 0 or in another document (doc_ids of 
 the row's own), and computes in fp32: z = Σ_j w_j x_{t−(K−1−j)}, a = SiLU(z), y = a / max(||a||,
 eps) per head, stored in x's dtype. It saves nothing: autograd keeps x and the weight anyway.
 
-The backward recomputes instead of storing z or dz. dx_t = Σ_s w_{K−1−s} dz_{t+s} over the
-rows t + s (s < K) of the same document, so a program recomputes dz at its rows shifted by each
-s = 0..K−1 (z from K shifted loads of x, then SiLU, the norm's backward and SiLU's): K² + K
-tile loads of x and K of dy, nearly all L1/L2 hits. DRAM sees x and dy read once and dx
-written once, the floor (6 bytes an element in bf16), where a split into two kernels would
-write and re-read an fp32 dz (8 more); the price is L1 traffic and recomputed SiLUs, which may
-bound it instead (not yet measured). The s = 0 pass also
-yields dweight[c, j] = Σ_t dz_t x_{t−(K−1−j)} (same mask): each program accumulates its rows'
-share in registers and writes one [C, K] fp32 partial; PyTorch sums the partials (one per
+The backward is two kernels. `short_conv_bwd_dz_kernel` recomputes z at the forward's tiles
+(K shifted loads of x) and writes dz = dL/dz in fp32 through SiLU's and the norm's backward.
+`short_conv_bwd_dx_kernel` then gathers dx_t = Σ_s w_{K−1−s} dz_{t+s} over the rows t + s
+(s < K) of t's document (K shifted loads of dz, L1/L2 hits but for the first) and, from the
+s = 0 tile, dweight[c, j] = Σ_t dz_t x_{t−(K−1−j)} (same mask): each program accumulates its
+rows' share in registers and writes one [C, K] fp32 partial; PyTorch sums the partials (one per
 program along the rows, at most TARGET_PROGRAMS / channel blocks of them, so the buffer stays
-small): deterministic, no atomics.
+small): deterministic, no atomics. DRAM sees x twice, dy and dz once, dz and dx written: 16
+bytes an element in bf16 against the floor's 6. A single kernel that instead recomputed dz at
+each of the K shifts (K² + K tile loads of x and K SiLU/norm backwards per tile) moved the floor's
+bytes but took 0.51 ms a call at the proxy's q/k/v shape on the H200 (2026-12-04), bound by its
+registers and recomputation; dz through L2 and DRAM costs about 0.07 ms there.
 
 Backward of the norm, F.normalize's semantics y = a / max(||a||, eps): da = (dy − y <dy, y>) /
 ||a|| where ||a|| >= eps (torch's clamp_min passes the gradient at equality), da = dy / eps
 below it. Of SiLU: dz = da σ(z) (1 + z (1 − σ(z))).
 
-Launch parameters are fixed, no autotuning, so each kernel compiles in about a second (sm_90,
-`bench/short_conv.py --compile-times`: 0.2-1.2 s on the dev host). A program's tile holds
-FWD_TILE / BWD_TILE elements (16 / 8 rows of a 128-channel head), 4 warps: ptxas (sm_90a) gives
-the forward ~155 registers, the backward 214-255 with at most 4 bytes of spill; 2x larger tiles
-spill hundreds of bytes in the backward. Untuned on a GPU: bench/short_conv.py times them.
-A backward that loads the 2K − 1 distinct x rows once (z for all K shifts in one
-[BLOCK_T, K, BLOCK_C] tile) was tried and dropped: it used as many registers and spilled, and
-the x rows broadcast along the shift axis are likely loaded once per warp of that axis anyway.
+Launch parameters are fixed, no autotuning, so each kernel compiles in about a second. A
+program's tile holds FWD_TILE elements (16 rows of a 128-channel head: the forward and the dz
+kernel) or BWD_TILE (the dx kernel), 4 warps. Untuned on a GPU beyond the one measurement
+above: bench/short_conv.py times them.
 
 `titan_moe::short_conv` and `titan_moe::short_conv_bwd` are `torch.library.triton_op`s (torch
 .compile sees the kernels; autograd is registered on the forward). Inductor cannot compile user
@@ -50,7 +48,7 @@ from titan_moe.ops.short_conv.naive import NORM_EPS
 
 # BLOCK_T * BLOCK_C of a program's tiles, forward and backward, and their warps.
 FWD_TILE, FWD_WARPS = 2048, 4
-BWD_TILE, BWD_WARPS = 1024, 4
+BWD_TILE, BWD_WARPS = 2048, 4
 MAX_BLOCK_T = 32
 NO_NORM_CHANNELS = 128  # channels a program takes when there is no per-head norm
 TARGET_PROGRAMS = 1024  # backward programs (row groups x channel blocks): dweight partials
@@ -134,16 +132,48 @@ def _grad_preactivation(z, dy, NORM: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def short_conv_bwd_kernel(
-    x_ptr, w_ptr, doc_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, n_t_blocks, n_blocks, n_programs,
+def short_conv_bwd_dz_kernel(
+    x_ptr, w_ptr, doc_ptr, dy_ptr, dz_ptr, T, C, n_t_blocks,
     K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+    HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
+    """dz = dL/dz (fp32) at the forward's tiles: z recomputed from x, then SiLU's and the norm's
+    backward."""
+    pid = tl.program_id(0)
+    seq = (pid // n_t_blocks).to(tl.int64) * T
+    rows = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    lanes = tl.arange(0, BLOCK_C)
+    cols = tl.program_id(1) * CH + lanes
+    col_ok = (lanes < CH) & (cols < C)
+    x_seq = x_ptr + seq * C
+    doc_seq = doc_ptr
+    if HAS_DOCS:
+        doc_seq = doc_ptr + seq
+    doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
+    z = _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
+                       K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    offs = seq * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    in_tile = row_ok[:, None] & col_ok[None, :]
+    dy = tl.load(dy_ptr + offs, mask=in_tile, other=0.0).to(tl.float32)
+    tl.store(dz_ptr + offs, _grad_preactivation(z, dy, NORM, EPS), mask=in_tile)
+
+
+@triton.jit
+def short_conv_bwd_dx_kernel(
+    x_ptr, w_ptr, doc_ptr, dz_ptr, dx_ptr, dw_ptr, T, C, n_t_blocks, n_blocks, n_programs,
+    K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """dx_t = Σ_s w[:, K−1−s] dz_{t+s} over the rows t + s of t's document, and this program's
+    share of dweight[:, j] = Σ_t dz_t x_{t−(K−1−j)} (same mask) as one [C, K] partial."""
     lanes = tl.arange(0, BLOCK_C)
     cols = tl.program_id(1) * CH + lanes
     col_ok = (lanes < CH) & (cols < C)
     taps = tl.arange(0, BLOCK_K)
-    dw = tl.zeros([BLOCK_C, BLOCK_K], dtype=tl.float32)
+    # dweight's products stay per row until the end (one [BLOCK_T, BLOCK_C] tile a tap): a
+    # cross-row reduction per row block cost more than the loads it sits between.
+    dw_tiles = tl.zeros([BLOCK_T, BLOCK_K, BLOCK_C], dtype=tl.float32)
     # Row blocks pid, pid + n_programs, ... (n_programs: the grid's first size). A while loop:
     # Triton 3.6's interpreter cannot take a runtime range() bound under NumPy 2.
     block = tl.program_id(0)
@@ -152,38 +182,32 @@ def short_conv_bwd_kernel(
         rows = (block % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         x_seq = x_ptr + seq * C
-        dy_seq = dy_ptr + seq * C
+        dz_seq = dz_ptr + seq * C
         doc_seq = doc_ptr
         if HAS_DOCS:
             doc_seq = doc_ptr + seq
         doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for s in tl.static_range(K):
-            # dz at row t + s reaches dx_t through tap K − 1 − s, within one document.
             later = rows + s
-            later_ok = later < T
-            doc_later = _row_docs(doc_seq, later, later_ok, HAS_DOCS)
-            z = _preactivation(x_seq, w_ptr, doc_seq, later, later_ok, doc_later, cols, col_ok,
-                               C, K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
-            offs = later.to(tl.int64)[:, None] * C + cols[None, :]
-            dy = tl.load(dy_seq + offs, mask=later_ok[:, None] & col_ok[None, :],
-                         other=0.0).to(tl.float32)
-            dz = _grad_preactivation(z, dy, NORM, EPS)
-            reach = later_ok
+            reach = later < T
             if HAS_DOCS:
-                reach = reach & (doc_later == doc_rows)
+                reach = reach & (tl.load(doc_seq + later, mask=reach, other=0) == doc_rows)
+            offs = later.to(tl.int64)[:, None] * C + cols[None, :]
+            dz_later = tl.load(dz_seq + offs, mask=reach[:, None] & col_ok[None, :], other=0.0)
             w = tl.load(w_ptr + cols * K + (K - 1 - s), mask=col_ok, other=0.0).to(tl.float32)
-            dx += tl.where(reach[:, None], dz, 0.0) * w[None, :]
+            dx += dz_later * w[None, :]
             if s == 0:
-                # dz is zero on rows past T (dy is), so only the tap mask matters here.
                 for j in tl.static_range(K):
                     xv = _tap(x_seq, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
                               K - 1 - j, HAS_DOCS)  # fmt: skip
-                    dw += tl.where(taps[None, :] == j, tl.sum(dz * xv, axis=0)[:, None], 0.0)
+                    dw_tiles += tl.where(taps[None, :, None] == j,
+                                         (dz_later * xv)[:, None, :], 0.0)
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         tl.store(dx_ptr + seq * C + offs, dx.to(dx_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
         block += n_programs
+    dw = tl.trans(tl.sum(dw_tiles, axis=0))  # [BLOCK_C, BLOCK_K]
     dw_offs = tl.program_id(0).to(tl.int64) * C * K + cols[:, None] * K + taps[None, :]
     tl.store(dw_ptr + dw_offs, dw, mask=col_ok[:, None] & (taps[None, :] < K))
 
@@ -242,18 +266,26 @@ def short_conv_bwd_triton(
     doc_ids = None if doc_ids is None else doc_ids.contiguous()
     batch, seq_len, channels = x.shape
     taps = weight.shape[1]
+    per_program, block_c, block_t, n_c_blocks = _launch(x, head_dim, FWD_TILE)
+    n_t_blocks = triton.cdiv(seq_len, block_t)
+    docs = doc_ids is not None
+    dz = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    wrap_triton(short_conv_bwd_dz_kernel)[(batch * n_t_blocks, n_c_blocks)](
+        x, weight, doc_ids, dy, dz, seq_len, channels, n_t_blocks,
+        K=taps, CH=per_program, BLOCK_T=block_t, BLOCK_C=block_c, HAS_DOCS=docs,
+        NORM=head_dim > 0, EPS=NORM_EPS, num_warps=FWD_WARPS,
+    )  # fmt: skip
     per_program, block_c, block_t, n_c_blocks = _launch(x, head_dim, BWD_TILE)
     n_t_blocks = triton.cdiv(seq_len, block_t)
     n_blocks = batch * n_t_blocks
     n_row_programs = max(1, min(n_blocks, TARGET_PROGRAMS // n_c_blocks))
     dx = torch.empty_like(x)
     partial = torch.empty(n_row_programs, channels, taps, device=x.device, dtype=torch.float32)
-    wrap_triton(short_conv_bwd_kernel)[(n_row_programs, n_c_blocks)](
-        x, weight, doc_ids, dy, dx, partial, seq_len, channels, n_t_blocks, n_blocks,
+    wrap_triton(short_conv_bwd_dx_kernel)[(n_row_programs, n_c_blocks)](
+        x, weight, doc_ids, dz, dx, partial, seq_len, channels, n_t_blocks, n_blocks,
         n_row_programs,
         K=taps, CH=per_program, BLOCK_T=block_t, BLOCK_C=block_c,
-        BLOCK_K=triton.next_power_of_2(taps), HAS_DOCS=doc_ids is not None, NORM=head_dim > 0,
-        EPS=NORM_EPS, num_warps=BWD_WARPS,
+        BLOCK_K=triton.next_power_of_2(taps), HAS_DOCS=docs, num_warps=BWD_WARPS,
     )  # fmt: skip
     return dx, partial.sum(0).to(weight.dtype)
 
