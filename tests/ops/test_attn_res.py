@@ -38,6 +38,8 @@ CASES = {
     "n9-mixed-rows11-d48": ((11,), 48, [F32] + [BF16] * 8, False),
     "n9-fp32-rows37-d24-loop": ((37,), 24, [F32] * 9, False),  # 5 row blocks, 2 programs
     "n3-mixed-noncontiguous": ((2, 5), 40, [F32, BF16, BF16], True),
+    # 8192 // 5 // 256 = 6 rows before rounding: the forward's BLOCK_ROWS must be a power of two.
+    "n5-mixed-rows9-d256": ((9,), 256, [F32] + [BF16] * 4, False),
 }
 
 
@@ -197,6 +199,19 @@ def test_dispatcher_would_take_triton_only_for_cuda_and_supported_dtypes():
     assert not attn_res_ops.uses_triton([Cuda(F32)] * 10)
     assert not attn_res_ops.uses_triton([Cuda(torch.float64)])
     assert not attn_res_ops.uses_triton([Cuda(F32, is_cuda=False)])
+
+
+def test_tiles_are_powers_of_two_for_every_source_count_and_width():
+    """The forward divides its tile budget by n: what is left must still be a power of two of
+    rows (tl.arange), which the debug model's widths broke on the H200 (2026-12-04)."""
+    from titan_moe.ops.attn_res import attn_res_triton as kernels
+
+    for n in range(1, kernels.MAX_SOURCES + 1):
+        for dim in (24, 48, 96, 256, 384, 512, 2048, 7168):
+            for budget in (kernels.FWD_ROW_ELEMENTS // n, kernels.BWD_ROW_ELEMENTS):
+                rows, block_d, _ = kernels._blocks(dim, budget)
+                assert rows >= 1 and rows & (rows - 1) == 0, (n, dim, rows)
+                assert rows * block_d <= max(budget, block_d), (n, dim, rows)
 
 
 @pytest.mark.parametrize(

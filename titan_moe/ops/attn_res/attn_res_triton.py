@@ -203,9 +203,11 @@ def attn_res_bwd_kernel(
 
 
 def _blocks(dim: int, row_elements: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_D, num_warps) for rows of d elements."""
+    """(BLOCK_ROWS, BLOCK_D, num_warps) for tiles of about row_elements (a power of two of rows
+    of d elements, at least one)."""
     block_d = triton.next_power_of_2(dim)
-    block_rows = max(1, min(MAX_BLOCK_ROWS, row_elements // block_d))
+    fit = max(1, min(MAX_BLOCK_ROWS, row_elements // block_d))
+    block_rows = 1 << (fit.bit_length() - 1)  # tl.arange takes powers of two only
     tile = block_rows * block_d
     num_warps = 4 if tile <= 4096 else 8 if tile <= 8192 else 16
     return block_rows, block_d, num_warps
