@@ -35,6 +35,7 @@ step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout
 step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
 step kda python3 bench/kda.py --out "$out/kda.json"
 step attn_res python3 bench/attn_res.py --out "$out/attn_res.json"
+step short_conv python3 bench/short_conv.py --out "$out/short_conv.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 step long_context python3 bench/long_context.py --out "$out/long_context.json"
