@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from titan_moe.data.images import digits, image_documents, image_patches, patch_grid
+from titan_moe.data.images import (
+    DIGITS_HELD_OUT,
+    digits,
+    image_documents,
+    image_patches,
+    patch_grid,
+)
 from titan_moe.data.multimodal import MultimodalDataset, MultimodalPacker, encode_document
 
 from .conftest import write_png
@@ -106,7 +112,11 @@ def test_missing_and_corrupt_images_are_skipped_and_counted(vision, tokenizer, t
 
 def test_digits_splits_are_disjoint_and_balanced():
     train, val = digits("train"), digits("val")
-    assert len(train) + len(val) == 1797 and len(val) == 179
+    assert len(train) + len(val) == 1797 and len(val) == DIGITS_HELD_OUT == 179
+    # Disjoint by content, not only by index: the held-out accuracy must not be recall of a
+    # training image that reappears among the held-out ones.
+    seen = {image.numpy().tobytes() for image, _ in train}
+    assert not [i for i, (image, _) in enumerate(val) if image.numpy().tobytes() in seen]
     counts = torch.bincount(torch.tensor([label for _, label in val]), minlength=10)
     assert counts.min() >= 15
     assert train[0][0].shape == (3, 56, 56) and 0 <= float(train[0][0].min()) <= 1

@@ -23,6 +23,7 @@ MM = ["--job.config_file", "configs/debug_mm.toml", "--training.device", "cpu"]
                                                    r"vision_max_patches = 64"),
     (["--training.image_data", "/no/such/images.jsonl"], r"training.image_data=.*no such"),
     (["--training.image_docs_per_text_doc", "0"], r"image_docs_per_text_doc must be >= 1"),
+    (["--multimodal_eval.images", "180"], r"multimodal_eval.images = 180: there are only 179"),
 ])
 def test_bad_vision_settings_name_the_field(argv, message):
     with pytest.raises(ConfigError, match=message):

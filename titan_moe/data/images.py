@@ -4,8 +4,8 @@ A multimodal document is a list of pieces, each a text string or an image (a fil
 [3, H, W] float tensor in [0, 1]). Sources:
 
 - ``digits``: the 1,797 8×8 handwritten digits that scikit-learn ships (``load_digits``),
-  upscaled to 56×56, each with the caption ``"a handwritten digit N"``; the last 10% (180
-  images, 16-20 of each digit) are held out as the ``val`` split.
+  upscaled to 56×56, each with the caption ``"a handwritten digit N"``; the last 179 (10%,
+  16-20 of each digit) are held out as the ``val`` split, which no training image repeats.
 - a user's ``.jsonl`` file (or a folder of them): one document per line, either an image +
   caption pair ``{"image": "cat.png", "text": "a cat"}`` or an interleaved document
   ``{"content": [{"text": "..."}, {"image": "a.png"}, {"text": "..."}]}``; image paths are
@@ -30,6 +30,7 @@ Document = list[str | Image]
 DIGITS = "digits"
 DIGIT_PIXELS = 56
 DIGIT_CAPTION = "a handwritten digit"
+DIGITS_HELD_OUT = 179  # the last 10% of load_digits' 1,797 images: the ``val`` split
 
 
 class PatchLayout(Protocol):
@@ -100,7 +101,7 @@ def digits(split: str) -> list[tuple[torch.Tensor, int]]:
     data = load_digits()
     images = torch.from_numpy(data.images).float() / 16
     images = F.interpolate(images[:, None], size=(DIGIT_PIXELS, DIGIT_PIXELS), mode="nearest")
-    first_held_out = len(images) - len(images) // 10
+    first_held_out = len(images) - DIGITS_HELD_OUT
     chosen = range(first_held_out, len(images)) if split == "val" else range(first_held_out)
     return [(images[i].expand(3, -1, -1), int(data.target[i])) for i in chosen]
 

@@ -42,6 +42,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from compile_passes.registry import PASS_NAMES, check_pass_names
 from titan_moe.config_types import cli_values_match, type_name, value_matches
 from titan_moe.data.dataloader import check_data_source
+from titan_moe.data.images import DIGITS_HELD_OUT
 from titan_moe.data.tokenizer import ASSETS_DIR
 from titan_moe.model.args import FLAVORS, ConfigError, TitanMoEArgs, model_args
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
@@ -102,7 +103,7 @@ class MultimodalEval:
     freq: int = 0
     """Every this many steps, score held-out digit images answered in text (0: never)."""
     images: int = 50
-    """Held-out digit images scored per evaluation."""
+    """Held-out digit images scored per evaluation (at most the 179 of data/images.py)."""
 
 
 # --- Scale: sharding choice and float8 training (issue 7) ---------------------------------------
@@ -657,6 +658,9 @@ def _check_multimodal(job_config: Any, flavor_args: Any) -> None:
     if evaluation.freq < 0 or evaluation.images < 1:
         raise ConfigError(f"multimodal_eval.freq must be >= 0 and multimodal_eval.images >= 1, "
                           f"got {evaluation.freq} and {evaluation.images}")
+    if evaluation.images > DIGITS_HELD_OUT:  # more would silently score only the 179
+        raise ConfigError(f"multimodal_eval.images = {evaluation.images}: there are only "
+                          f"{DIGITS_HELD_OUT} held-out digit images")
 
 
 def _check_profiling(profiling: tt_config.Profiling, device_type: str) -> None:
