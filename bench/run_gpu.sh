@@ -49,6 +49,9 @@ step run_train env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.step
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
 step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
-step generate python3 bench/generate.py --out "$out/generate.json"
+# Issue 23.3: TTFT and compiled, CUDA-graphed decode at 1K..512K; one step per batch size (each
+# context recompiles the step), both merged into one JSON.
+step generate_b1 python3 bench/generate.py --batches 1 --out "$out/generate.json"
+step generate_b8 python3 bench/generate.py --batches 8 --out "$out/generate.json"
 echo "results in $out"
 exit $status

@@ -37,6 +37,19 @@ class KDAState:
     recurrent: torch.Tensor
     conv: torch.Tensor
 
+    def update(self, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
+        """The state after a call: rebound (autograd can flow through it)."""
+        self.recurrent, self.conv = recurrent, conv
+
+
+class StaticKDAState(KDAState):
+    """A KDAState whose tensors are written in place: their addresses never change, so a
+    compiled, CUDA-graphed decode step reads and writes the same buffers every step."""
+
+    def update(self, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
+        self.recurrent.copy_(recurrent)
+        self.conv.copy_(conv)
+
 
 def last_valid(window: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
     """The last n rows of window [B, n + T, C] whose mask is set; the first n always count."""
@@ -121,7 +134,7 @@ class KimiDeltaAttention(nn.Module):
         window = torch.cat([state.conv.to(qkv.dtype), qkv], 1)
         weight = torch.cat([self.conv_q, self.conv_k, self.conv_v])
         mixed = F.silu(causal_depthwise_conv(window, weight)[:, taps:])
-        state.conv = last_valid(window, valid, taps)
+        conv = last_valid(window, valid, taps)
         q, k, v = (z.reshape(shape) for z in mixed.chunk(3, -1))
         act = qkv.dtype  # the projections' dtype, as in forward
         wide = torch.promote_types(act, torch.float32)
@@ -132,13 +145,14 @@ class KimiDeltaAttention(nn.Module):
                      self.g_min)
         g = torch.where(mask.unsqueeze(-1), g, 0.0)
         if t == 1:
-            o, state.recurrent = recurrent_kda_step(
+            o, recurrent = recurrent_kda_step(
                 q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent,
                 self.head_dim**-0.5)
             o = o.unsqueeze(1)
         else:
-            o, state.recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent,
-                                           output_final_state=True, backend=self.kda_backend)
+            o, recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent,
+                                     output_final_state=True, backend=self.kda_backend)
+        state.update(recurrent, conv)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
         return self.w_o(o.reshape(b, t, -1))
 
@@ -151,6 +165,11 @@ class KimiDeltaAttention(nn.Module):
                                 dtype=torch.promote_types(weight.dtype, torch.float32))
         conv = weight.new_zeros(batch, self.conv_q.shape[-1] - 1, 3 * inner)
         return KDAState(recurrent, conv)
+
+    def new_static_cache(self, batch: int, max_len: int = 0) -> StaticKDAState:
+        """new_cache's state, updated in place (max_len is unused: the state is constant)."""
+        state = self.new_cache(batch)
+        return StaticKDAState(state.recurrent, state.conv)
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for lin in (self.w_q, self.w_k, self.w_v, self.w_f_down, self.w_f_up, self.w_beta,

@@ -12,6 +12,11 @@ Packed documents are masked from each other through `doc_ids`.
 Decoding (`cache`, an MLACache) keeps only [RMSNorm(c_kv) | k_rope] per token and attends in the
 absorbed form: with W_kvb = [W_uk; W_uv] per head, q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and
 Σ p W_uv c = W_uv Σ p c, so one latent "head" serves as key and value for every query head.
+
+A `StaticMLACache` (`GatedMLA.new_static_cache`) is the same cache preallocated to a maximum
+length, for the compiled, CUDA-graphed decode step (titan_moe/serve/static_decode.py): a
+one-token call writes its slot at the device counter `pos` and attends over every slot of the
+buffer, masked to the valid ones, so each step has the same shapes and reads no host value.
 """
 
 from dataclasses import dataclass
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.norm import RMSNorm
@@ -58,6 +64,28 @@ class MLACache:
         return self.kv[:, : self.length], self.valid[:, : self.length]
 
 
+@dataclass
+class StaticMLACache:
+    """One MLA layer's preallocated decode cache: kv [B, max_len, kv_lora + rope] and valid
+    [B, max_len] (False until written, and for padding slots), `pos` a 0-d int64 device tensor
+    (slots written so far, shared by the rows), `filled` its host copy.
+
+    A one-token call (the decode step) writes slot `pos` and reads no host value, so it traces
+    to one static graph; a longer call (a prefill chunk, eager) writes slots filled..filled+t.
+    The caller advances `filled` after every call (`advance_static_cache`); the model never
+    does, so that the compiled step has no Python counter in it.
+    """
+
+    kv: torch.Tensor
+    valid: torch.Tensor
+    pos: torch.Tensor
+    filled: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[1]
+
+
 def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
     out = buffer.new_zeros(buffer.shape[0], capacity, *buffer.shape[2:])
     out[:, : buffer.shape[1]] = buffer
@@ -92,6 +120,8 @@ class GatedMLA(nn.Module):
     ) -> torch.Tensor:
         """x [B,T,d]. With `cache` (decoding) each row is one document continued from the cache,
         `valid` [B,T] bool marks its real tokens, and the call's tokens are appended to it."""
+        if isinstance(cache, StaticMLACache):
+            return self._forward_static(x, cache, valid)
         if cache is not None:
             return self._forward_absorbed(x, cache, valid)
         b, t, _ = x.shape
@@ -129,22 +159,108 @@ class GatedMLA(nn.Module):
         new_kv = torch.cat([self.kv_norm(c_kv), k_rope], -1)
         cache.append(torch.where(valid.unsqueeze(-1), new_kv, 0.0), valid)
         kv_slots, valid_slots = cache.filled()
-        s = cache.length
+        w_uk, w_uv = self._absorbed_weights()
+        query = self._absorbed_query(q_nope, q_rope, w_uk)
+        o = self._attend_masked(query, kv_slots, valid_slots, t)
+        return self._absorbed_out(x, o, w_uv)
 
-        w_uk, w_uv = self.w_kvb.weight.view(h, self.nope + self.v_dim, self.kv_lora).split(
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.n_heads
+        return self.w_kvb.weight.view(h, self.nope + self.v_dim, self.kv_lora).split(
             [self.nope, self.v_dim], dim=1)
-        query = torch.cat([torch.einsum("bthn,hnc->bhtc", q_nope, w_uk), q_rope.transpose(1, 2)],
-                          dim=-1)
+
+    def _absorbed_query(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor
+    ) -> torch.Tensor:
+        """[B,h,t, kv_lora + rope]: W_ukᵀ q_nope next to q_rope."""
+        return torch.cat([torch.einsum("bthn,hnc->bhtc", q_nope, w_uk), q_rope.transpose(1, 2)],
+                         dim=-1)
+
+    def _absorbed_out(self, x: torch.Tensor, o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        o = torch.einsum("bhtc,hvc->bthv", o, w_uv).reshape(b, t, self.n_heads * self.v_dim)
+        return self.w_o(torch.sigmoid(self.w_g(x)) * o)
+
+    def _attend_masked(
+        self, query: torch.Tensor, kv_slots: torch.Tensor, valid_slots: torch.Tensor, t: int
+    ) -> torch.Tensor:
+        """query [B,h,t,C] (the last t of the s slots) over kv_slots [B,s,C] -> [B,h,t,kv_lora]."""
+        b, h = query.shape[:2]
+        s = kv_slots.shape[1]
         key = kv_slots.unsqueeze(1).expand(b, h, s, -1)
         value = kv_slots[..., : self.kv_lora].unsqueeze(1).expand(b, h, s, self.kv_lora)
-        slot = torch.arange(s, device=x.device)
+        slot = torch.arange(s, device=query.device)
         query_slot = slot[s - t :, None]
         # A padding query also sees its own slot, so no row of the mask is empty (no NaN).
         mask = (valid_slots[:, None, :] & (slot <= query_slot)) | (slot == query_slot)
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.unsqueeze(1),
-                                           scale=self.scale)
-        o = torch.einsum("bhtc,hvc->bthv", o, w_uv).reshape(b, t, h * self.v_dim)
-        return self.w_o(torch.sigmoid(self.w_g(x)) * o)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask.unsqueeze(1),
+                                              scale=self.scale)
+
+    def _forward_static(
+        self, x: torch.Tensor, cache: StaticMLACache, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.n_heads
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.w_kva(x).split([self.kv_lora, self.rope], dim=-1)
+        new_kv = torch.where(valid.unsqueeze(-1), torch.cat([self.kv_norm(c_kv), k_rope], -1), 0.0)
+        w_uk, w_uv = self._absorbed_weights()
+        query = self._absorbed_query(q_nope, q_rope, w_uk)
+        if t == 1:
+            o = self._decode_step_attention(query, new_kv, valid, cache)
+        else:
+            o = self._prefill_attention(query, new_kv, valid, cache)
+        return self._absorbed_out(x, o, w_uv)
+
+    def _decode_step_attention(
+        self, query: torch.Tensor, new_kv: torch.Tensor, valid: torch.Tensor,
+        cache: StaticMLACache,
+    ) -> torch.Tensor:
+        """One token per row, static shapes, no host value: write slot `pos`, attend over the
+        whole buffer with the unwritten and padding slots masked, pos += 1."""
+        pos = cache.pos.view(1)
+        cache.kv.index_copy_(1, pos, new_kv.to(cache.kv.dtype))
+        cache.valid.index_copy_(1, pos, valid)
+        b, h, _, width = query.shape
+        # MQA form: the h query heads are h rows against the one latent head.
+        q = query.reshape(b, h, width).to(cache.kv.dtype)
+        scores = _bmm_fp32(q, cache.kv.transpose(1, 2)) * self.scale  # [B, h, max_len]
+        slot = torch.arange(cache.kv.shape[1], device=query.device)
+        # Slots past pos were never written (valid False); a padding query sees its own slot.
+        mask = cache.valid | (slot == cache.pos)
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(cache.kv.dtype)
+        o = torch.bmm(p, cache.kv[..., : self.kv_lora])  # [B, h, kv_lora]
+        cache.pos.add_(1)
+        return o.unsqueeze(2).to(query.dtype)
+
+    def _prefill_attention(
+        self, query: torch.Tensor, new_kv: torch.Tensor, valid: torch.Tensor,
+        cache: StaticMLACache,
+    ) -> torch.Tensor:
+        """t > 1 tokens (eager): write slots filled..filled+t, attend over the filled prefix. When
+        no slot so far is padding, the mask is the lower-right causal one, which SDPA's fused
+        kernels take without materialising it; otherwise the masked form of the dynamic cache."""
+        t = query.shape[2]
+        start = cache.filled
+        end = start + t
+        if end > cache.max_len:
+            raise ValueError(f"static MLA cache holds {cache.max_len} slots; {end} needed")
+        cache.kv[:, start:end] = new_kv.to(cache.kv.dtype)
+        cache.valid[:, start:end] = valid
+        cache.pos.add_(t)
+        kv_slots, valid_slots = cache.kv[:, :end], cache.valid[:, :end]
+        if not bool(valid_slots.all()):  # one host sync per prefill chunk, never in a step
+            return self._attend_masked(query, kv_slots, valid_slots, t)
+        b, h = query.shape[:2]
+        key = kv_slots.unsqueeze(1).expand(b, h, end, -1)
+        value = kv_slots[..., : self.kv_lora].unsqueeze(1).expand(b, h, end, self.kv_lora)
+        return F.scaled_dot_product_attention(query, key, value,
+                                              attn_mask=causal_lower_right(t, end),
+                                              scale=self.scale)
 
     def new_cache(self, batch: int, capacity: int = 0) -> MLACache:
         """An empty decode cache (no tokens yet, room for `capacity`) on the layer's device."""
@@ -154,9 +270,27 @@ class GatedMLA(nn.Module):
             torch.zeros(batch, capacity, dtype=torch.bool, device=weight.device), 0,
         )
 
+    def new_static_cache(self, batch: int, max_len: int) -> StaticMLACache:
+        """An empty preallocated decode cache of max_len slots on the layer's device."""
+        weight = self.w_kva.weight
+        return StaticMLACache(
+            weight.new_zeros(batch, max_len, self.kv_lora + self.rope),
+            torch.zeros(batch, max_len, dtype=torch.bool, device=weight.device),
+            torch.zeros((), dtype=torch.long, device=weight.device),
+        )
+
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for lin in (self.w_qa, self.w_qb, self.w_kva, self.w_kvb, self.w_g):
             nn.init.trunc_normal_(lin.weight, std=init_std)
         nn.init.trunc_normal_(self.w_o.weight, std=out_init_std)
         self.q_norm.reset_parameters()
         self.kv_norm.reset_parameters()
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b batched, in fp32: bf16/fp16 CUDA operands accumulate and return fp32 (cuBLAS, no
+    widened copy of the cache); elsewhere the operands are widened."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    wide = torch.promote_types(a.dtype, torch.float32)
+    return torch.bmm(a.to(wide), b.to(wide))

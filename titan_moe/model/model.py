@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.attn_res import AttnResSite
-from titan_moe.model.kda import KDAState, KimiDeltaAttention
-from titan_moe.model.mla import GatedMLA, MLACache
+from titan_moe.model.kda import KDAState, KimiDeltaAttention, StaticKDAState
+from titan_moe.model.mla import GatedMLA, MLACache, StaticMLACache
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.situ_glu import SiTUGLU
@@ -130,6 +130,11 @@ class TitanMoE(nn.Module):
     def new_cache(self, batch: int) -> list[KDAState | MLACache]:
         """Empty per-layer decode states for `batch` rows (KDA: constant size; MLA: grows)."""
         return [layer.mixer.new_cache(batch) for layer in self.layers.values()]
+
+    def new_static_cache(self, batch: int, max_len: int) -> list[StaticKDAState | StaticMLACache]:
+        """Preallocated per-layer decode states for `batch` rows and up to `max_len` tokens a
+        row, written in place (the compiled decode step of titan_moe/serve/static_decode.py)."""
+        return [layer.mixer.new_static_cache(batch, max_len) for layer in self.layers.values()]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         init_embedding_weights(self.tok_embeddings)

@@ -91,7 +91,7 @@ class Session:
         self.model = model
         self.batch = batch
         self.prefill_chunk = prefill_chunk
-        self.cache = model.new_cache(batch)
+        self.cache = self._new_cache()
         self.device = model.output.weight.device
         self.last_logits: torch.Tensor | None = None  # [B, V] after each row's newest token
         self.lengths = [0] * batch
@@ -121,13 +121,19 @@ class Session:
         last = None
         for start in range(0, tokens.shape[1], self.prefill_chunk):
             end = start + self.prefill_chunk
-            logits = self.model(tokens[:, start:end], cache=self.cache,
-                                valid=valid[:, start:end])
+            logits = self._forward(tokens[:, start:end], valid[:, start:end])
             index = (n_valid - 1 - start).clamp(0, logits.shape[1] - 1)
             here = logits.gather(1, index.view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))[:, 0]
             in_chunk = ((n_valid - 1 >= start) & (n_valid - 1 < end)).unsqueeze(-1)
             last = here if last is None else torch.where(in_chunk, here, last)
         return last.float()
+
+    def _new_cache(self) -> list:
+        return self.model.new_cache(self.batch)
+
+    def _forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """One model call on the cache (a prefill chunk): logits [B, T, V]."""
+        return self.model(tokens, cache=self.cache, valid=valid)
 
     @torch.no_grad()
     def decode(

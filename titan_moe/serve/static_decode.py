@@ -1,0 +1,186 @@
+"""Decoding on preallocated caches with a compiled, CUDA-graphed decode step.
+
+`StaticSession` is a `Session` (serve/generate.py) whose cache is `model.new_static_cache(batch,
+max_len)`: KDA states written in place (`StaticKDAState`) and MLA latent caches preallocated to
+max_len slots with their slot counter `pos` a device tensor (`StaticMLACache`). Prefill is the
+Session's: chunks of `prefill_chunk` tokens through the KDA chunk op and MLA over the filled
+prefix (eager; it may sync with the host between chunks). Decoding runs `decode_step`:
+
+    decode_step(token [B] int64, running [B] bool) -> logits [B, V] fp32
+
+one token a row, every row: a row that is not running feeds a padding token (a no-op on its
+state). Inside it the shapes are the same every step (the MLA attends over all max_len slots,
+the unwritten ones masked) and nothing reads a host value, so `torch.compile(fullgraph=True,
+dynamic=False)` traces it once and, with mode="reduce-overhead" (CUDA only), replays it as one
+CUDA graph. The cache tensors are marked static (`torch._dynamo.mark_static_address`): the graph
+reads and writes them where they are. The host's only per-step bookkeeping is a Python counter
+(`filled`, the slots written, for prefill and the capacity check), never passed to the graph.
+
+`decode` samples on the device (no per-step sync) and collects tokens, log-probs and stops in
+device buffers, reading them back once at the end (and `running.any()` every `check_every`
+steps, to end early when every row has stopped).
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from titan_moe.model.kda import StaticKDAState
+from titan_moe.model.mla import StaticMLACache
+from titan_moe.model.model import TitanMoE
+from titan_moe.serve.generate import Completion, Sampling, Session, sample
+
+DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cache_tensors(cache: Sequence[StaticKDAState | StaticMLACache]) -> list[torch.Tensor]:
+    """Every buffer of a static cache (the ones a decode step reads and writes in place)."""
+    out = []
+    for c in cache:
+        if isinstance(c, StaticMLACache):
+            out += [c.kv, c.valid, c.pos]
+        else:
+            out += [c.recurrent, c.conv]
+    return out
+
+
+def cache_bytes(cache: Sequence) -> tuple[int, int]:
+    """(KDA state bytes: recurrent states and conv taps, MLA latent-cache bytes: kv slots) of a
+    dynamic or static cache."""
+    kda = sum(c.recurrent.nbytes + c.conv.nbytes for c in cache if hasattr(c, "recurrent"))
+    mla = sum(c.kv.nbytes for c in cache if hasattr(c, "kv"))
+    return kda, mla
+
+
+def make_decode_step(model: TitanMoE, cache: Sequence[StaticKDAState | StaticMLACache]
+                     ) -> DecodeStep:
+    """The eager decode step over `cache` (see the module docstring)."""
+
+    def decode_step(token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        return model(token[:, None], cache=cache, valid=running[:, None])[:, -1].float()
+
+    return decode_step
+
+
+def resolve_mode(mode: str | None, device: torch.device) -> str | None:
+    """"auto": "reduce-overhead" (CUDA graphs) on CUDA, the default mode elsewhere."""
+    if mode == "auto":
+        return "reduce-overhead" if device.type == "cuda" else None
+    return mode
+
+
+def compile_decode_step(step: DecodeStep, mode: str | None = None, backend="inductor"
+                        ) -> DecodeStep:
+    """torch.compile with no graph break allowed and static shapes (a new shape is a new graph,
+    never a dynamic one). `mode` only applies to the inductor backend."""
+    if backend == "inductor":
+        return torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+
+
+class StaticSession(Session):
+    """A Session on a static cache of max_len slots a row (prompt, observations and generated
+    tokens together, padding included) with a compiled decode step.
+
+    compile: False runs the same step eagerly (the reference the tests compare against);
+    mode: "auto" (CUDA graphs on CUDA), None or any torch.compile mode; backend: a torch.compile
+    backend (tests count compiles with torch._dynamo.testing.CompileCounterWithBackend).
+    """
+
+    def __init__(
+        self,
+        model: TitanMoE,
+        batch: int,
+        max_len: int,
+        prefill_chunk: int = 1024,
+        compile: bool = True,
+        mode: str | None = "auto",
+        backend="inductor",
+    ) -> None:
+        if max_len <= 0:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        self.max_len = max_len
+        self.filled = 0  # slots written (the same for every row), host side
+        super().__init__(model, batch, prefill_chunk)
+        for t in cache_tensors(self.cache):
+            torch._dynamo.mark_static_address(t)
+        self.mode = resolve_mode(mode, self.device) if compile else None
+        step = make_decode_step(model, self.cache)
+        self.step = compile_decode_step(step, self.mode, backend) if compile else step
+
+    def _new_cache(self) -> list[StaticKDAState | StaticMLACache]:
+        return self.model.new_static_cache(self.batch, self.max_len)
+
+    def _reserve(self, n: int) -> None:
+        if self.filled + n > self.max_len:
+            raise ValueError(f"the static cache holds {self.max_len} tokens a row; "
+                             f"{self.filled} written, {n} more asked")
+
+    def _advance(self, n: int) -> None:
+        self.filled += n
+        for c in self.cache:
+            if isinstance(c, StaticMLACache):
+                c.filled += n
+
+    def _forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self._reserve(tokens.shape[1])
+        logits = self.model(tokens, cache=self.cache, valid=valid)
+        self._advance(tokens.shape[1])
+        return logits
+
+    def step_logits(self, token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        """One decode step: logits [B, V] fp32 (a CUDA-graph output under reduce-overhead,
+        valid until the next step), the cache advanced one slot."""
+        self._reserve(1)
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.step(token, running)
+        self._advance(1)
+        return logits
+
+    @torch.no_grad()
+    def decode(
+        self,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_tokens: Sequence[int] = (),
+        active: Sequence[bool] | None = None,
+        generator: torch.Generator | None = None,
+        check_every: int = 32,
+    ) -> list[Completion]:
+        """Session.decode's contract, without a host sync per step."""
+        if self.last_logits is None:
+            raise RuntimeError("extend the session with a prompt before decoding")
+        self._reserve(max_new_tokens)
+        sampling = sampling or Sampling()
+        b, dev = self.batch, self.device
+        running = torch.tensor([True] * b if active is None else list(active), device=dev)
+        stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=dev)
+        tokens = torch.zeros(b, max_new_tokens, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=dev)
+        emitted = torch.zeros(b, max_new_tokens, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+        last = self.last_logits
+        for i in range(max_new_tokens):
+            if i and i % check_every == 0 and not bool(running.any()):
+                break
+            token = sample(last, sampling, generator)
+            tokens[:, i] = token
+            logprobs[:, i] = torch.log_softmax(last, -1).gather(1, token[:, None])[:, 0]
+            emitted[:, i] = running
+            logits = self.step_logits(token, running)
+            last = torch.where(running[:, None], logits, last)
+            hit = torch.isin(token, stops) & running
+            stopped |= hit
+            running = running & ~hit
+        self.last_logits = last
+        tokens, logprobs, emitted, stopped = (x.cpu() for x in (tokens, logprobs, emitted,
+                                                                 stopped))
+        out = []
+        for row in range(b):
+            keep = emitted[row]
+            done = Completion(tokens[row][keep].tolist(), logprobs[row][keep].tolist(),
+                              bool(stopped[row]))
+            self.lengths[row] += len(done.tokens)
+            out.append(done)
+        return out
