@@ -65,3 +65,22 @@ def test_cudagraph_step_matches_eager_compiles_once_and_never_syncs():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,slots,pos", [(1, 131144, 131100), (8, 4096, 1000)])
+def test_mla_decode_op_matches_float64_reference_on_cuda(dtype, batch, slots, pos):
+    """The split-KV op at the proxy's widths (16 heads, lora 256, rope 64) against the float64
+    reference on the same (rounded) inputs: 1e-5 (fp32) or BF16_RTOL (bf16: p is rounded to
+    bf16 before the value product, as in the reference's bf16 path)."""
+    from titan_moe.ops.mla_decode import mla_decode_attention_naive, mla_decode_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 16, 320, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(batch, slots, 320, device="cuda", generator=g).to(dtype)
+    valid = torch.rand(batch, slots, device="cuda", generator=g) > 0.2
+    valid[:, pos + 1 :] = False
+    p = torch.tensor(pos, device="cuda")
+    got = mla_decode_triton(q, kv, valid, p, 320**-0.5, 256)
+    want = mla_decode_attention_naive(q.double(), kv.double(), valid, p, 320**-0.5, 256)
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else BF16_RTOL)

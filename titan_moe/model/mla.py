@@ -29,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.norm import RMSNorm
 from titan_moe.ops.document_attention import document_causal_attention
+from titan_moe.ops.mla_decode import mla_decode_attention
 
 
 @dataclass
@@ -225,15 +226,10 @@ class GatedMLA(nn.Module):
         cache.kv.index_copy_(1, pos, new_kv.to(cache.kv.dtype))
         cache.valid.index_copy_(1, pos, valid)
         b, h, _, width = query.shape
-        # MQA form: the h query heads are h rows against the one latent head.
+        # MQA form: the h query heads are h rows against the one latent head. Slots past pos
+        # were never written (valid False); a padding query sees its own slot.
         q = query.reshape(b, h, width).to(cache.kv.dtype)
-        scores = _bmm_fp32(q, cache.kv.transpose(1, 2)) * self.scale  # [B, h, max_len]
-        slot = torch.arange(cache.kv.shape[1], device=query.device)
-        # Slots past pos were never written (valid False); a padding query sees its own slot.
-        mask = cache.valid | (slot == cache.pos)
-        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(cache.kv.dtype)
-        o = torch.bmm(p, cache.kv[..., : self.kv_lora])  # [B, h, kv_lora]
+        o = mla_decode_attention(q, cache.kv, cache.valid, cache.pos, self.scale, self.kv_lora)
         cache.pos.add_(1)
         return o.unsqueeze(2).to(query.dtype)
 
@@ -286,11 +282,3 @@ class GatedMLA(nn.Module):
         self.q_norm.reset_parameters()
         self.kv_norm.reset_parameters()
 
-
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b batched, in fp32: bf16/fp16 CUDA operands accumulate and return fp32 (cuBLAS, no
-    widened copy of the cache); elsewhere the operands are widened."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    wide = torch.promote_types(a.dtype, torch.float32)
-    return torch.bmm(a.to(wide), b.to(wide))
