@@ -142,3 +142,24 @@ def test_cache_bytes_kda_constant_mla_linear(model):
     kda_each = 3 * (args.n_heads * args.head_dim**2 + (args.kda_conv_size - 1) * 3 * args.n_heads
                     * args.head_dim) * 4
     assert sizes[16][0] == sizes[400][0] == n_kda * kda_each
+
+
+def test_reset_reuses_the_compiled_step(model):
+    """Generator(static_max_len=...) keeps one StaticSession a batch size; the second generate
+    resets it in place and gives the same completions as a fresh one, with no recompile."""
+    from titan_moe.serve.generate import Generator
+
+    torch._dynamo.reset()
+    prompts = _prompts(model, (9, 40), seed=11)
+    gen = Generator(model, prefill_chunk=64, static_max_len=80)
+    counter = CompileCounterWithBackend("aot_eager")
+    gen._static_sessions[2] = StaticSession(model, 2, 80, prefill_chunk=64, backend=counter)
+    first = gen.generate(prompts, max_new_tokens=20, sampling=Sampling(temperature=0))
+    gen.generate(_prompts(model, (30, 3), seed=12), max_new_tokens=5)  # another batch between
+    again = gen.generate(prompts, max_new_tokens=20, sampling=Sampling(temperature=0))
+    assert gen.session(2) is gen._static_sessions[2]
+    assert [c.tokens for c in first] == [c.tokens for c in again]
+    assert counter.frame_count == 1
+    dynamic = Generator(model, prefill_chunk=64).generate(prompts, max_new_tokens=20,
+                                                           sampling=Sampling(temperature=0))
+    assert [c.tokens for c in first] == [c.tokens for c in dynamic]

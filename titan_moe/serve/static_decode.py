@@ -108,6 +108,15 @@ class StaticSession(Session):
         step = make_decode_step(model, self.cache)
         self.step = compile_decode_step(step, self.mode, backend) if compile else step
 
+    def reset(self) -> None:
+        """Empty the session in place (nothing seen yet) for the next batch of prompts: the
+        same buffers, so the compiled step (guarded on their identity) is reused, no recompile."""
+        for t in cache_tensors(self.cache):
+            t.zero_()
+        self._advance(-self.filled)
+        self.last_logits = None
+        self.lengths = [0] * self.batch
+
     def _new_cache(self) -> list[StaticKDAState | StaticMLACache]:
         return self.model.new_static_cache(self.batch, self.max_len)
 
