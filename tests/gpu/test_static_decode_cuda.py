@@ -84,3 +84,18 @@ def test_mla_decode_op_matches_float64_reference_on_cuda(dtype, batch, slots, po
     got = mla_decode_triton(q, kv, valid, p, 320**-0.5, 256)
     want = mla_decode_attention_naive(q.double(), kv.double(), valid, p, 320**-0.5, 256)
     assert _rel(got, want) < (1e-5 if dtype == torch.float32 else BF16_RTOL)
+
+
+def test_mla_decode_op_opcheck_on_cuda():
+    """Schema, fake implementation and AOT tracing of titan_moe::mla_decode (torch.compile's
+    view of the op), on CUDA where the kernel compiles."""
+    from titan_moe.ops.mla_decode import mla_decode_triton
+
+    q = torch.randn(2, 16, 320, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, 1000, 320, device="cuda", dtype=torch.bfloat16)
+    valid = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
+    p = torch.tensor(999, device="cuda")
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    report = torch.library.opcheck(mla_decode_triton, (q, kv, valid, p, 0.05, 256),
+                                   test_utils=tests)
+    assert set(report.values()) == {"SUCCESS"}, report

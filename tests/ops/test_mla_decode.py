@@ -51,6 +51,18 @@ def run_case(batch, heads, slots, lora, rope, pos) -> dict:
     return {"err": err, "shape": list(got.shape), "dtype": str(got.dtype)}
 
 
+def run_opcheck() -> dict:
+    from titan_moe.ops.mla_decode import mla_decode_triton
+
+    q, kv, valid, p = make_inputs(2, 3, 100, 16, 8, 70)
+    # Fake-tensor and AOT checks need the compiled kernel (the interpreter reads the fake
+    # tensors' storage): tests/gpu/test_static_decode_cuda.py runs them on CUDA.
+    tests = ("test_schema",)
+    return {name: str(result) for name, result in
+            torch.library.opcheck(mla_decode_triton, (q, kv, valid, p, 0.3, 16),
+                                  test_utils=tests).items()}
+
+
 def guarded(fn, *args) -> dict:
     try:
         return fn(*args)
@@ -78,6 +90,13 @@ def test_op_matches_float64_reference_under_interpreter(results, name):
     assert report["err"] <= FP32_RTOL, report["err"]
 
 
+def test_opcheck_schema_fake_and_aot(results):
+    """The op's schema (its fake implementation and AOT tracing: the CUDA test)."""
+    report = results["opcheck"]
+    assert "error" not in report, report.get("error")
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
 def test_splits_cover_every_slot_in_whole_blocks():
     for batch, heads, slots in [(1, 16, 1000), (8, 16, 524360), (3, 20, 300), (64, 2, 64)]:
         splits, split_len = split_layout(batch, heads, slots, torch.device("cpu"))
@@ -92,4 +111,5 @@ def test_naive_row_with_only_its_own_slot_returns_that_value():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    print(json.dumps({name: guarded(run_case, *case) for name, case in CASES.items()}))
+    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

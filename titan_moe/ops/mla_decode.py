@@ -161,6 +161,6 @@ def mla_decode_triton(
         SPLIT_LEN=split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
-    weight = torch.exp(m - m.amax(1, keepdim=True))  # [B, splits, rows]; empty splits give 0
-    out = (weight.unsqueeze(-1) * acc).sum(1) / (weight * denom).sum(1).unsqueeze(-1)
-    return out[:, :heads, :lora]
+    m, denom, acc = m[:, :, :heads], denom[:, :, :heads], acc[:, :, :heads, :lora]
+    weight = torch.exp(m - m.amax(1, keepdim=True))  # [B, splits, heads]; empty splits give 0
+    return (weight.unsqueeze(-1) * acc).sum(1) / (weight * denom).sum(1).unsqueeze(-1)

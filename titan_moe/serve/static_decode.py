@@ -137,6 +137,7 @@ class StaticSession(Session):
         self._advance(tokens.shape[1])
         return logits
 
+    @torch.no_grad()
     def step_logits(self, token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         """One decode step: logits [B, V] fp32 (a CUDA-graph output under reduce-overhead,
         valid until the next step), the cache advanced one slot."""
