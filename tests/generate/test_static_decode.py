@@ -15,8 +15,8 @@ from torch._dynamo.utils import counters
 
 from titan_moe.model.kda import StaticKDAState
 from titan_moe.model.mla import StaticMLACache
-from titan_moe.serve.generate import Sampling, Session
-from titan_moe.serve.static_decode import StaticSession, cache_bytes
+from titan_moe.serve.generate import Generator, Sampling, Session
+from titan_moe.serve.static_decode import StaticGenerator, StaticSession, cache_bytes
 
 RTOL = 1e-4
 
@@ -145,19 +145,17 @@ def test_cache_bytes_kda_constant_mla_linear(model):
 
 
 def test_reset_reuses_the_compiled_step(model):
-    """Generator(static_max_len=...) keeps one StaticSession a batch size; the second generate
-    resets it in place and gives the same completions as a fresh one, with no recompile."""
-    from titan_moe.serve.generate import Generator
-
+    """StaticGenerator keeps one StaticSession a batch size; the second generate with the same
+    prompts resets it in place and gives the same completions as the first, with no recompile,
+    and the same greedy tokens as the dynamic-cache Generator."""
     torch._dynamo.reset()
     prompts = _prompts(model, (9, 40), seed=11)
-    gen = Generator(model, prefill_chunk=64, static_max_len=80)
     counter = CompileCounterWithBackend("aot_eager")
-    gen._static_sessions[2] = StaticSession(model, 2, 80, prefill_chunk=64, backend=counter)
+    gen = StaticGenerator(model, prefill_chunk=64, max_len=80, backend=counter)
     first = gen.generate(prompts, max_new_tokens=20, sampling=Sampling(temperature=0))
     gen.generate(_prompts(model, (30, 3), seed=12), max_new_tokens=5)  # another batch between
     again = gen.generate(prompts, max_new_tokens=20, sampling=Sampling(temperature=0))
-    assert gen.session(2) is gen._static_sessions[2]
+    assert gen.session(2) is gen.sessions[2] and len(gen.sessions) == 1
     assert [c.tokens for c in first] == [c.tokens for c in again]
     assert counter.frame_count == 1
     dynamic = Generator(model, prefill_chunk=64).generate(prompts, max_new_tokens=20,

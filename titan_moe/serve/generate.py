@@ -177,34 +177,17 @@ class Session:
 
 class Generator:
     """A model (eval mode) and optionally its tokenizer; `generate` is prefill + decode.
-
-    static_max_len: decode on static caches of that many tokens a row with the compiled step
-    (serve/static_decode.py), one session per batch size kept and reset between uses so its
-    compiled step is reused; None: the dynamic-cache Session.
-    """
+    (serve/static_decode.py's StaticGenerator decodes with the compiled static-cache step.)"""
 
     def __init__(
-        self, model: TitanMoE, tokenizer: TitanTokenizer | None = None, prefill_chunk: int = 1024,
-        static_max_len: int | None = None,
+        self, model: TitanMoE, tokenizer: TitanTokenizer | None = None, prefill_chunk: int = 1024
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
-        self.static_max_len = static_max_len
-        self._static_sessions: dict[int, Session] = {}
 
     def session(self, batch: int) -> Session:
-        if self.static_max_len is None:
-            return Session(self.model, batch, self.prefill_chunk)
-        from titan_moe.serve.static_decode import StaticSession
-
-        session = self._static_sessions.get(batch)
-        if session is None:
-            session = StaticSession(self.model, batch, self.static_max_len, self.prefill_chunk)
-            self._static_sessions[batch] = session
-        else:
-            session.reset()
-        return session
+        return Session(self.model, batch, self.prefill_chunk)
 
     def generate(
         self,

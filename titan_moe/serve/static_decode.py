@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from titan_moe.data.tokenizer import TitanTokenizer
 from titan_moe.model.kda import StaticKDAState
 from titan_moe.model.mla import StaticMLACache
 from titan_moe.model.model import TitanMoE
-from titan_moe.serve.generate import Completion, Sampling, Session, sample
+from titan_moe.serve.generate import Completion, Generator, Sampling, Session, sample
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -194,3 +195,33 @@ class StaticSession(Session):
             self.lengths[row] += len(done.tokens)
             out.append(done)
         return out
+
+
+class StaticGenerator(Generator):
+    """A Generator whose sessions are StaticSessions of max_len tokens a row: one per batch size,
+    kept and reset between uses, so its compiled step is reused (rollouts, repeated generate)."""
+
+    def __init__(
+        self,
+        model: TitanMoE,
+        tokenizer: TitanTokenizer | None = None,
+        prefill_chunk: int = 1024,
+        max_len: int = 4096,
+        compile: bool = True,
+        mode: str | None = "auto",
+        backend="inductor",
+    ) -> None:
+        super().__init__(model, tokenizer, prefill_chunk)
+        self.max_len = max_len
+        self.options = {"compile": compile, "mode": mode, "backend": backend}
+        self.sessions: dict[int, StaticSession] = {}
+
+    def session(self, batch: int) -> StaticSession:
+        session = self.sessions.get(batch)
+        if session is None:
+            session = StaticSession(self.model, batch, self.max_len, self.prefill_chunk,
+                                    **self.options)
+            self.sessions[batch] = session
+        else:
+            session.reset()
+        return session
