@@ -17,8 +17,10 @@ tokens; multimodal rows feed windows packed by the training packer (data/multimo
 documents of one random image (sides drawn from --min-side..--max-side pixels, so dynamic
 resolution and the patch budget are exercised) and a caption, and also report image patches/s
 (real patches, not empty slots). TFLOPS by model/flops.py (the tower counted
-per window of patch slots), MFU against --peak-tflops (CUDA only). Prints a table, the speed-up
-of each compiled mode over eager, and writes JSON (--out).
+per window of patch slots), MFU against --peak-tflops (CUDA only), and "host ms": how long the
+host takes to issue a step started on an idle GPU (timing.host_issue_ms; near the step's time,
+the step is host-bound). Prints a table, the speed-up of each compiled mode over eager, and
+writes JSON (--out).
 """
 
 import argparse
@@ -32,7 +34,7 @@ import anchor_deepseek
 import torch
 import torch.nn.functional as F
 from report import write_json
-from timing import device_profile, timed
+from timing import device_profile, host_issue_ms, timed
 from torch._dynamo.utils import counters
 
 from compile_passes.registry import COUNTER, PASS_NAMES, matched_counts
@@ -174,6 +176,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     first_step_s = time.perf_counter() - start
     passes_matched = matched_counts() if MODES.get(mode) else {}
     ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
+    host_ms = host_issue_ms(step, device, opts.iters)
     trace = (opts.out.parent / f"trace-{inputs}-{mode.replace('+', '-')}.json.gz"
              if opts.profile == "trace" else None)
     profile = (device_profile(step, ms, top=opts.top, trace=trace)
@@ -184,7 +187,8 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     return {
         "inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
         "kda_backend": resolve_backend(opts.kda_backend) if mode != ANCHOR else None,
-        "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms, "first_step_s": first_step_s,
+        "batch": opts.batch, "seq_len": opts.seq_len, "ms": ms, "host_ms": host_ms,
+        "first_step_s": first_step_s,
         "tokens_per_s": n_tokens / (ms * 1e-3), "image_patches": n_patches,
         "patches_per_s": n_patches / (ms * 1e-3), "tflops": tflops,
         "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
@@ -212,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager"}
     for r in rows:
         r["speedup_vs_eager"] = eager_ms[r["inputs"]] / r["ms"] if r["inputs"] in eager_ms else None
-    print(f"{'inputs':<11} {'mode':<16} {'ms':>9} {'tok/s':>10} {'patch/s':>10} {'TFLOPS':>8} "
-          f"{'MFU%':>6} {'x eager':>7} {'GiB':>6}")
+    print(f"{'inputs':<11} {'mode':<16} {'ms':>9} {'host ms':>8} {'tok/s':>10} {'patch/s':>10} "
+          f"{'TFLOPS':>8} {'MFU%':>6} {'x eager':>7} {'GiB':>6}")
     for r in rows:
         mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
         speedup = f"{r['speedup_vs_eager']:7.2f}" if r["speedup_vs_eager"] else "      -"
         mem = f"{r['peak_mem_gib']:6.1f}" if r["peak_mem_gib"] is not None else "     -"
-        print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['tokens_per_s']:10.0f} "
-              f"{r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} {speedup} {mem}")
+        print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['host_ms']:8.1f} "
+              f"{r['tokens_per_s']:10.0f} {r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} "
+              f"{speedup} {mem}")
     for r in rows:
         if r["passes_matched"]:
             print(f"pattern matches, {r['inputs']} {r['mode']}: {r['passes_matched']}")

@@ -26,6 +26,21 @@ def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> flo
     return statistics.median(samples)
 
 
+def host_issue_ms(fn: Callable[[], object], device: str, iters: int) -> float:
+    """Median milliseconds fn() takes to return, started on an idle GPU and not waiting for it:
+    the host's time to issue a step's work (plus any wait a host sync inside forces). Close to
+    the step's time, the step is host-bound: the GPU waits for launches, not the reverse."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    samples = []
+    for _ in range(iters):
+        sync()
+        start = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - start))
+    sync()
+    return statistics.median(samples)
+
+
 # Kernel classes of a training step, by the first matching name fragment (lower case). Our own
 # Triton ops keep their kernels' names under Inductor, so they come first; Inductor names its
 # kernels triton_{poi,red,per,tem}_fused_<aten ops>; its templates are GEMMs.
