@@ -4,7 +4,8 @@ The op against its PyTorch reference on the same GPU: ids, weights, histogram an
 equal bit for bit (both compute σ as 1 / (1 + expf(-x)) with an IEEE division, see
 qb_route_triton.py), at the routing issue's E = 896, k = 16 and at the proxy's E = 64, k = 8;
 the weight gradient as relative RMS error. The bf16 layer (torch._grouped_mm, padded groups)
-against the same layer in float64 on CPU with identical routes forced by a large bias gap.
+against the same layer in float64 on CPU with identical routes forced by a large bias gap, and
+its forward and backward free of host syncs (what CUDA graphs need).
 """
 
 import pytest
@@ -103,3 +104,21 @@ def test_latent_moe_bf16_on_cuda_matches_float64(compiled):
     params = dict(ref.named_parameters())
     for name, p in moe.named_parameters():
         assert rel_rms(p.grad, params[name].grad) <= BF16_RTOL, name
+
+
+def test_latent_moe_forward_and_backward_never_sync_with_the_host():
+    """Dispatch, grouped GEMMs and combine keep every shape static and every value on the GPU,
+    so the layer can be CUDA-graphed: a host sync inside it (a .item(), nonzero, or a
+    device-to-host copy) raises under sync debug mode "error". The first call runs outside
+    it: lazy initialisation (cuBLAS handles, Triton's compile) may sync once."""
+    moe = _layer("cuda", torch.bfloat16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all()
