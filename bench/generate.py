@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from titan_moe.cli_args import positive
+from titan_moe.cli_args import positive, positive_ints
 from titan_moe.model.args import apply_overrides, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.serve.generate import Sampling, sample
@@ -36,13 +36,9 @@ TINY = {"vocab_size": 256, "dim": 64, "n_layers": 4, "mla_layers": [2, 4], "dens
         "n_heads": 2, "head_dim": 16, "kda_gate_rank": 16, "mla_n_heads": 2, "q_lora_rank": 32,
         "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "n_experts": 4, "top_k": 2, "latent_dim": 32, "expert_hidden": 32, "shared_hidden": 32}
-SMOKE = {"device": "cpu", "dtype": "float32", "contexts": "64,192", "batches": "1,2",
+SMOKE = {"device": "cpu", "dtype": "float32", "contexts": [64, 192], "batches": [1, 2],
          "decode_tokens": 8, "warmup_tokens": 2, "prefill_chunk": 64, "compile": "aot_eager"}
 GOAL = {131072: 1.5, 524288: 2.0}  # decode tok/s at 1K over tok/s at this context, at most
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -52,8 +48,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="tiny dims on CPU, short contexts (overridable): a check, not a figure")
     p.add_argument("--device")
     p.add_argument("--dtype", choices=("bfloat16", "float32"))
-    p.add_argument("--contexts", "--lengths", help="default 1024,8192,32768,131072,524288")
-    p.add_argument("--batches", help="default 1,8")
+    p.add_argument("--contexts", "--lengths", type=positive_ints,
+                   help="default 1024,8192,32768,131072,524288")
+    p.add_argument("--batches", type=positive_ints, help="default 1,8")
     p.add_argument("--decode-tokens", type=positive)
     p.add_argument("--warmup-tokens", type=positive)
     p.add_argument("--prefill-chunk", type=positive)
@@ -65,7 +62,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out")
     a = p.parse_args(argv)
     defaults = {"device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": "bfloat16",
-                "contexts": "1024,8192,32768,131072,524288", "batches": "1,8",
+                "contexts": [1024, 8192, 32768, 131072, 524288], "batches": [1, 8],
                 "decode_tokens": 64, "warmup_tokens": 8, "prefill_chunk": 4096,
                 "compile": "inductor"}
     if a.smoke:
@@ -162,13 +159,13 @@ def main(argv=None) -> None:
             "torch": torch.__version__, "compile": a.compile, "mode": a.mode,
             "prefill_chunk": a.prefill_chunk, "decode_tokens": a.decode_tokens,
             "threads": os.environ.get("OMP_NUM_THREADS")}
-    for batch in _ints(a.batches):
+    for batch in a.batches:
         # Prefill kernels (Triton JIT, fla autotune) warm on one chunk first, untimed.
         torch.compiler.reset()
         warm = StaticSession(model, batch, 2 * a.prefill_chunk, a.prefill_chunk, compile=False)
         warm.extend(torch.randint(0, args.vocab_size, (batch, 2 * a.prefill_chunk)).tolist())
         del warm
-        for context in _ints(a.contexts):
+        for context in a.contexts:
             torch.compiler.reset()  # the last configuration's graphs and CUDA-graph pools
             gc.collect()
             if a.device.startswith("cuda"):

@@ -30,3 +30,11 @@ def in_range(kind: type, low: float, high: float = math.inf,
 positive = in_range(int, 1)
 non_negative = in_range(int, 0)
 positive_float = in_range(float, 0, open_low=True)
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse `type=`: a comma-separated list of ints, each >= 1."""
+    items = [x for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return [positive(x) for x in items]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_moe.cli_args import in_range, positive
+from titan_moe.cli_args import in_range, positive, positive_ints
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def _main(target: str):
     ("bench/moe.py", ["--tokens", "0"], "--tokens"),
     ("bench/long_context.py", ["--doc-len", "-5"], "--doc-len"),
     ("bench/compile.py", ["--sources", "10"], "--sources"),
-    ("bench/generate.py", ["--batch", "0"], "--batch"),
+    ("bench/generate.py", ["--batches", "1,0"], "--batches"),
     ("bench/float8_training.py", ["--lr", "0"], "--lr"),
     ("bench/router_precision.py", ["--seq-len", "0"], "--seq-len"),
 ])
@@ -56,6 +56,8 @@ def test_out_of_range_number_is_exit_2_naming_the_option(monkeypatch, capsys, ta
 
 def test_range_types():
     assert positive("3") == 3 and in_range(float, 0, 1, open_low=True)("1") == 1.0
-    for parse, text in [(positive, "0"), (positive, "1.5"), (in_range(float, 0), "nan")]:
+    assert positive_ints("1,8") == [1, 8]
+    for parse, text in [(positive, "0"), (positive, "1.5"), (in_range(float, 0), "nan"),
+                        (positive_ints, "1,0"), (positive_ints, ",")]:
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
