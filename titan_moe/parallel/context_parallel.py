@@ -23,9 +23,10 @@ everything else compiles as without CP. Traced into the graph, the collectives d
 steps branch on the rank, so each rank compiles its own graph, and the partitioner is then free
 to place a collective differently per rank. With Inductor one rank's compiled KDA forward held
 the reduce-scatter of the gathered states' gradient (on rank 0 that gradient is known zero: no
-shard before it), while the other rank issued it in the backward. Gloo and NCCL match collectives by order, so the ranks must issue the same ones in the
-same order, which eager autograd does (the same program on every rank, the rank masking values
-rather than removing steps).
+shard before it), while the other rank issued it in the backward. Gloo and NCCL match
+collectives by order, so the ranks must issue the same ones in the same order, which eager
+autograd does (the same program on every rank, the rank masking values rather than removing
+steps).
 
 In training (`parallelism.context_parallel_degree`), parallelize.py applies this over the cp
 mesh and the trainer feeds each rank `shard_batch` of the batch its cp group shares: tokens,
