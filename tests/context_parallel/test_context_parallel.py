@@ -3,11 +3,17 @@
 Each rank builds the same tiny model (same seed), runs the whole sequence as the reference,
 then its shard with `apply_context_parallel`; gradients are summed over the ranks. Documents
 cross the shard boundary in row 0 and start exactly at it in row 1.
+
+The compiled case compiles the CP model as training does (`apply_compile`: per sublayer, Inductor
+with our passes; the mixers in pieces around their eager collectives) against the same eager
+one-rank reference, at the same tolerance: Inductor's fused kernels change fp32 rounding only
+(measured 4e-7 in the logits, 3e-6 in the gradients, as eager CP's 3e-7 / 2e-6).
 """
 
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.context_parallel import apply_context_parallel, shard_sequence
+from titan_moe.parallel.parallelize import apply_compile
 
 RTOL = 1e-4  # float32, relative to the largest magnitude of each tensor
 SEQ_LEN = 256
@@ -52,7 +59,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, port: int, backend: str | None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
@@ -65,6 +72,8 @@ def _worker(rank: int, port: int) -> None:
         model = _model()
         group = dist.group.WORLD
         apply_context_parallel(model, group)
+        if backend is not None:
+            apply_compile(model, backend, set())
         local = model(shard_sequence(tokens, group), shard_sequence(doc_ids, group))
         _loss(local, shard_sequence(labels, group)).backward()
 
@@ -75,13 +84,20 @@ def _worker(rank: int, port: int) -> None:
             grad = p.grad.clone()
             dist.all_reduce(grad)
             assert _rel(grad, ref.grad) < RTOL, (name, _rel(grad, ref.grad))
+        if backend is not None:  # the model ran compiled: every sublayer kind is a graph
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 8
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_match_one_rank_in_outputs_and_gradients():
+@pytest.mark.parametrize("backend", [
+    pytest.param(None, id="eager"),
+    # Collectives issued in a different order on the two ranks deadlock: the timeout fails it.
+    pytest.param("inductor", id="compiled", marks=[pytest.mark.slow, pytest.mark.timeout(900)]),
+])
+def test_two_ranks_match_one_rank_in_outputs_and_gradients(backend):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(port,), nprocs=WORLD)
+    mp.spawn(_worker, args=(port, backend), nprocs=WORLD)

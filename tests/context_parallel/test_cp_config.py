@@ -1,5 +1,6 @@
 """Context parallelism and the chunked loss from the TOML: every unsupported combination is one
-clear error naming the fields; a supported one parses."""
+clear error naming the fields; a supported one (the chunked loss, compile, the long-context
+eval) parses."""
 
 import pytest
 
@@ -27,6 +28,12 @@ def test_cp_with_chunked_loss_parses():
     assert config.parallelism.context_parallel_degree == 2 and config.training.loss_chunk == 64
 
 
+def test_cp_with_compile_and_the_long_context_eval_parses():
+    config = parse_job_config([*CP2, "--compile.enable", "--eval.long_context"])
+    assert config.parallelism.context_parallel_degree == 2
+    assert config.compile.enable and config.eval.long_context
+
+
 def test_seq_len_must_split_into_whole_kda_chunks():
     message = error_of([*CP2, "--training.seq_len", "192"])
     assert message.startswith("training.seq_len = 192 must be a multiple of "
@@ -36,9 +43,7 @@ def test_seq_len_must_split_into_whole_kda_chunks():
 @pytest.mark.parametrize("extra,field", [
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
     (["--parallelism.sharding", "simple_fsdp"], "parallelism.sharding = 'simple_fsdp'"),
-    (["--compile.enable"], "compile.enable"),
     (["--titan_moe.vision", "debug"], "titan_moe.vision"),
-    (["--eval.long_context"], "eval.long_context"),
 ])
 def test_unsupported_combinations_name_their_fields(extra, field):
     message = error_of([*CP2, *extra])

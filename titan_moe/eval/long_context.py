@@ -11,17 +11,28 @@ Random-token phrases need no tokenizer and cannot be guessed from the haystack. 
 once per sequence under no_grad with its head bypassed (`hidden_from_head`); logits are formed
 from the hidden states LOSS_CHUNK positions at a time (the needle: only at the value tokens), so
 no [T, vocab] tensor is ever held, which at 1M tokens would not fit.
+
+Under context parallelism (`group`, the cp group of a model `apply_context_parallel` patched)
+the ranks of the group hold the same rows and each runs its contiguous slab of every sequence
+(`shard_sequence`). Per-token losses are all-gathered back into whole rows, so the buckets are
+counted on global document positions; the needle context is padded at its end to whole KDA
+chunks per rank (causal, so the padding changes no earlier position) and the hidden states at
+the value tokens, held by one rank or two, are summed over the group (the other ranks add
+zeros). Every rank of the group returns the same metrics.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+from titan_moe.parallel.context_parallel import shard_sequence
 from titan_moe.train.chunked_loss import hidden_from_head
 
 POSITION_BUCKETS = (0, 1024, 8192, 65536, 262144, 1048576)
@@ -65,15 +76,25 @@ def _logits(hidden: Tensor, weight: Tensor) -> Tensor:
 
 @torch.no_grad()
 def token_losses(model: nn.Module, tokens: Tensor, labels: Tensor,
-                 doc_ids: Tensor | None = None) -> Tensor:
-    """[B, T] next-token cross-entropy of every position, in float32."""
+                 doc_ids: Tensor | None = None,
+                 group: dist.ProcessGroup | None = None) -> Tensor:
+    """[B, T] next-token cross-entropy of every position, in float32. With a cp `group`, the
+    whole rows on every rank of it: each computes its slab's, then all-gathers them."""
+    if group is not None:
+        tokens, labels = shard_sequence(tokens, group), shard_sequence(labels, group)
+        doc_ids = None if doc_ids is None else shard_sequence(doc_ids, group)
     hidden, weight = _hidden(model, tokens, doc_ids), _head_weight(model)
-    losses = [
+    losses = torch.cat([
         F.cross_entropy(_logits(hidden[:, s : s + LOSS_CHUNK], weight).flatten(0, 1),
-                        labels[:, s : s + LOSS_CHUNK].flatten(), reduction="none")
+                        labels[:, s : s + LOSS_CHUNK].flatten(), reduction="none"
+                        ).view(tokens.shape[0], -1)
         for s in range(0, tokens.shape[1], LOSS_CHUNK)
-    ]
-    return torch.cat([x.view(tokens.shape[0], -1) for x in losses], 1)
+    ], 1)
+    if group is None:
+        return losses
+    slabs = [torch.empty_like(losses) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slabs, losses, group=group)
+    return torch.cat(slabs, 1)
 
 
 def loss_by_position(losses: Tensor, doc_ids: Tensor | None,
@@ -91,10 +112,32 @@ def loss_by_position(losses: Tensor, doc_ids: Tensor | None,
     return metrics
 
 
+def _hidden_at(model: nn.Module, tokens: Tensor, start: int,
+               group: dist.ProcessGroup | None) -> Tensor:
+    """[T - start, D]: the hidden states of one sequence tokens [T] from position `start` on."""
+    if group is None:
+        return _hidden(model, tokens[None])[0, start:]
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    length = tokens.numel()
+    padded = -(-length // (size * KDA_CHUNK_SIZE)) * size * KDA_CHUNK_SIZE
+    # The padding is a document of its own after the context: causal layers never read it.
+    doc_ids = (torch.arange(padded, device=tokens.device) >= length).int()[None]
+    tokens = F.pad(tokens, (0, padded - length))[None]
+    hidden = _hidden(model, shard_sequence(tokens, group), shard_sequence(doc_ids, group))[0]
+    slab = padded // size
+    lo, hi = max(start, rank * slab), min(length, (rank + 1) * slab)
+    out = hidden.new_zeros(length - start, hidden.shape[-1])
+    if lo < hi:
+        out[lo - start : hi - start] = hidden[lo - rank * slab : hi - rank * slab]
+    dist.all_reduce(out, group=group)  # one rank holds each position; the others add zeros
+    return out
+
+
 @torch.no_grad()
 def needle_probe(model: nn.Module, haystack: Tensor, spec: NeedleSpec, vocab_size: int,
-                 seed: int = 0) -> dict[str, float]:
-    """Needle log-prob and accuracy per (length, depth), keyed `long_context/needle_*`."""
+                 seed: int = 0, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Needle log-prob and accuracy per (length, depth), keyed `long_context/needle_*`; with a
+    cp `group`, the same on every rank of it."""
     generator = torch.Generator().manual_seed(seed)
     phrase = spec.key_tokens + spec.value_tokens
     metrics, weight = {}, _head_weight(model)
@@ -108,7 +151,7 @@ def needle_probe(model: nn.Module, haystack: Tensor, spec: NeedleSpec, vocab_siz
                 tokens, value_at = _needle_context(haystack, length, depth, spec, vocab_size,
                                                    generator)
                 tokens = tokens.to(haystack.device)
-                logits = _logits(_hidden(model, tokens[None, :-1])[0, value_at - 1 :], weight)
+                logits = _logits(_hidden_at(model, tokens[:-1], value_at - 1, group), weight)
                 value = tokens[value_at:]
                 logprobs.append(logits.log_softmax(-1).gather(-1, value[:, None]).mean())
                 hits.append((logits.argmax(-1) == value).all().float())
@@ -133,16 +176,23 @@ def _needle_context(haystack: Tensor, length: int, depth: float, spec: NeedleSpe
 
 def long_context_metrics(model: nn.Module, tokens: Tensor, labels: Tensor,
                          doc_ids: Tensor | None, spec: NeedleSpec, vocab_size: int,
-                         buckets: Sequence[int] = POSITION_BUCKETS) -> dict[str, float]:
-    """Both evaluations on one batch of corpus windows (its first row is the haystack)."""
+                         buckets: Sequence[int] = POSITION_BUCKETS,
+                         group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Both evaluations on one batch of corpus windows (its first row is the haystack). With
+    context parallelism, `group` is the cp group and tokens, labels and doc_ids are the whole
+    rows it shares (not a rank's slab)."""
     was_training = model.training
     model.eval()
-    try:
-        metrics = loss_by_position(token_losses(model, tokens, labels, doc_ids), doc_ids,
-                                   buckets)
-        metrics.update(needle_probe(model, tokens[0], spec, vocab_size))
-    finally:
-        model.train(was_training)
+    # Eager where training compiled the model: one no_grad forward per sequence, at shapes (the
+    # needle lengths) and in a mode (eval, no_grad) training never compiled, which would
+    # recompile every sublayer with dynamic shapes (the AttnRes fusion pass takes static ones).
+    with torch.compiler.set_stance("force_eager"):
+        try:
+            metrics = loss_by_position(token_losses(model, tokens, labels, doc_ids, group),
+                                       doc_ids, buckets)
+            metrics.update(needle_probe(model, tokens[0], spec, vocab_size, group=group))
+        finally:
+            model.train(was_training)
     return metrics
 
 

@@ -17,6 +17,17 @@ Applied from outside the model (`apply_context_parallel`), per mixer instance:
 Collectives are the autograd-aware functional ones, so the backward is exact. Gradients of the
 parameters are each rank's share of the loss: sum them over the group (FSDP over dp×cp does).
 
+Under torch.compile the three steps stay eager (`torch.compiler.disable`): the mixer compiles
+in pieces around them (parallelize.apply_compile drops fullgraph for the mixers under CP), and
+everything else compiles as without CP. Traced into the graph, the collectives deadlocked: the
+steps branch on the rank, so each rank compiles its own graph, and the partitioner is then free
+to place a collective differently per rank. With Inductor one rank's compiled KDA forward held
+the reduce-scatter of the gathered states' gradient (on rank 0 that gradient is known zero: no
+shard before it), while the other rank issued it in the backward. Gloo and NCCL match
+collectives by order, so the ranks must issue the same ones in the same order, which eager
+autograd does (the same program on every rank, the rank masking values rather than removing
+steps).
+
 In training (`parallelism.context_parallel_degree`), parallelize.py applies this over the cp
 mesh and the trainer feeds each rank `shard_batch` of the batch its cp group shares: tokens,
 labels and doc_ids cut into the same contiguous slabs. The doc ids stay the row's own (global)
@@ -26,6 +37,7 @@ scan above carries across slabs. The loss is each rank's slab sum over the globa
 which the trainer counts on the whole rows, so the ranks' losses add up to the global mean.
 """
 
+import functools
 from functools import partial
 
 import torch
@@ -68,10 +80,37 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):
-            module.sequence_conv_act = partial(_conv_act_with_halo, group)
-            module.sequence_recurrence = partial(_recurrence_across_shards, group)
+            module.sequence_conv_act = partial(_eager(_conv_act_with_halo), group)
+            module.sequence_recurrence = partial(_eager(_recurrence_across_shards), group)
         elif isinstance(module, GatedMLA):
-            module.latent_prefix = partial(_gathered_latent_prefix, group, module.kv_lora)
+            module.latent_prefix = partial(_eager(_gathered_latent_prefix), group,
+                                           module.kv_lora)
+
+
+def _eager(step):
+    """A graph break under torch.compile: the collectives run in the order the program issues
+    them on every rank (see the module docstring). The outputs are returned as tensors of their
+    own, not views: the compiled code after the break rebuilds a view input from its base, which
+    fails for the gathered latents' view at batch 1 (a reshape of a transpose)."""
+
+    @functools.wraps(step)
+    def call(*args, **kwargs):
+        out = step(*args, **kwargs)
+        return tuple(map(_own, out)) if isinstance(out, tuple) else _own(out)
+
+    return torch.compiler.disable(call, recursive=True)
+
+
+def _own(x: Tensor | None) -> Tensor | None:
+    return x.clone() if isinstance(x, Tensor) and x._base is not None else x
+
+
+def has_context_parallel(module: nn.Module) -> bool:
+    """Whether module holds a mixer `apply_context_parallel` patched (it compiles in pieces)."""
+    return any(isinstance(m, (KimiDeltaAttention, GatedMLA)) and
+               any(isinstance(getattr(m, name, None), partial)
+                   for name in ("sequence_conv_act", "sequence_recurrence", "latent_prefix"))
+               for m in module.modules())
 
 
 # torch 2.13 renamed the autograd-aware gather; 2.11 has only the old name.

@@ -32,7 +32,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
-from titan_moe.parallel.context_parallel import apply_context_parallel
+from titan_moe.parallel.context_parallel import apply_context_parallel, has_context_parallel
 from titan_moe.parallel.expert_parallel import apply_expert_parallel
 from titan_moe.parallel.fp32_modules import FP32_MODULES, fp32_islands
 from titan_moe.parallel.pipeline import StageModule
@@ -150,7 +150,9 @@ def apply_compile(
     piecewise: every maximal submodule free of units is compiled whole, and a unit's own
     `forward` is compiled (its FSDP hooks stay outside, on __call__). The EP experts stay eager
     (their all-to-all splits are read on the host). The passes (`compile.passes`) are installed
-    through `torch.compile(options=...)`, so they apply to these compiles only.
+    through `torch.compile(options=...)`, so they apply to these compiles only. Under context
+    parallelism a KDA or MLA mixer (or a whole layer holding one) compiles without fullgraph:
+    its sequence steps are eager graph breaks (context_parallel.py says why).
     """
     check_pass_names(passes)
     if passes and backend != "inductor":
@@ -158,8 +160,16 @@ def apply_compile(
             f"compile.passes {list(passes)} are Inductor passes; compile.backend is {backend!r} "
             "(allowed with passes: 'inductor'; or set compile.passes = [])"
         )
-    compile_fn = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
-                                   options=inductor_options(passes) or None)
+    compile_whole = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
+                                      options=inductor_options(passes) or None)
+    compile_pieces = functools.partial(compile_whole, fullgraph=False)
+
+    def compile_fn(target):
+        # A mixer under context parallelism breaks its graph around its eager collectives.
+        module = getattr(target, "__self__", target)
+        pieces = isinstance(module, nn.Module) and has_context_parallel(module)
+        return (compile_pieces if pieces else compile_whole)(target)
+
     for layer_id, layer in model.layers.named_children():
         if whole_layers:
             model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))

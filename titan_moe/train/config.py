@@ -230,16 +230,14 @@ def _check_context_parallel(job_config: Any, vision: str) -> None:
         "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
         "parallelism.expert_parallel_degree > 1": parallelism.expert_parallel_degree > 1,
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
-        "compile.enable": job_config.compile.enable,
         "titan_moe.vision (image batches)": vision != "none",
-        "eval.long_context": job_config.eval.long_context,
         "validation.enable": job_config.validation.enable,
     }
     for name, on in unsupported.items():
         if on:
             raise ConfigError(
                 f"parallelism.context_parallel_degree = {cp} does not support {name}; "
-                "context parallelism runs text batches with sharding = 'fsdp2', eager")
+                "context parallelism runs text batches with sharding = 'fsdp2'")
 
 
 def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:

@@ -321,9 +321,12 @@ class TitanMoETrainer(PlatformTrainer):
         input_dict, labels = self.last_batch
         model = self.model_parts[0]
         with self.maybe_enable_amp:
+            # Under CP the last batch is still the cp group's whole rows (the slabs are cut
+            # in post_dataloading_process); the eval cuts and gathers its own.
             metrics = long_context_metrics(model, input_dict["input"], labels,
                                            input_dict.get("doc_ids"), spec,
-                                           model.tok_embeddings.num_embeddings)
+                                           model.tok_embeddings.num_embeddings,
+                                           group=self.cp_group)
         self.metrics_processor.logger.log(metrics, self.step)
         logger.info("long-context eval: " + "  ".join(f"{k.removeprefix('long_context/')}: "
                                                       f"{v:.4f}" for k, v in metrics.items()))
