@@ -49,8 +49,12 @@ def train(n_proc: int, dump: Path, *extra: str) -> str:
         [*launcher, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
     )
     output = result.stdout + result.stderr
-    # Each rank's first error is above the launcher's own traceback: keep the start too.
-    assert result.returncode == 0, output[:3000] + "\n...\n" + output[-3000:]
+    # Each rank's first error is above the launcher's own traceback: keep the start too, and
+    # every line in between that names a fatal error (a rank's native abort sits mid-output).
+    fatal = [line for line in output.splitlines()
+             if any(k in line for k in ("Fatal", "terminate", "what()", "Error", "File \""))]
+    assert result.returncode == 0, (output[:3000] + "\n...\n" + "\n".join(fatal[-80:])
+                                    + "\n...\n" + output[-3000:])
     return output
 
 
