@@ -88,11 +88,11 @@ def _row_docs(doc_seq, rows, row_ok, HAS_DOCS: tl.constexpr):
 
 
 @triton.jit
-def short_conv_fwd_kernel(
-    x_ptr, w_ptr, doc_ptr, y_ptr, T, C, n_t_blocks,
-    K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
-):  # fmt: skip
+def _program_tile(x_ptr, w_ptr, doc_ptr, T, C, n_t_blocks,
+                  K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_C: tl.constexpr, HAS_DOCS: tl.constexpr):  # fmt: skip
+    """The forward's tile of this program (BLOCK_T rows of one sequence, CH channels): its
+    pre-activation z, fp32, with the tile's element offsets and mask."""
     pid = tl.program_id(0)
     seq = (pid // n_t_blocks).to(tl.int64) * T
     rows = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -107,13 +107,23 @@ def short_conv_fwd_kernel(
     doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
     z = _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
                        K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    offs = seq * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    return z, offs, row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def short_conv_fwd_kernel(
+    x_ptr, w_ptr, doc_ptr, y_ptr, T, C, n_t_blocks,
+    K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+):  # fmt: skip
+    z, offs, in_tile = _program_tile(x_ptr, w_ptr, doc_ptr, T, C, n_t_blocks,
+                                     K, CH, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
     y = z * tl.sigmoid(z)
     if NORM:
         norm = tl.sqrt(tl.sum(y * y, axis=1))
         y = y / tl.maximum(norm, EPS)[:, None]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    tl.store(y_ptr + seq * C + offs, y.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=in_tile)
 
 
 @triton.jit
@@ -139,22 +149,8 @@ def short_conv_bwd_dz_kernel(
 ):  # fmt: skip
     """dz = dL/dz (fp32) at the forward's tiles: z recomputed from x, then SiLU's and the norm's
     backward."""
-    pid = tl.program_id(0)
-    seq = (pid // n_t_blocks).to(tl.int64) * T
-    rows = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    lanes = tl.arange(0, BLOCK_C)
-    cols = tl.program_id(1) * CH + lanes
-    col_ok = (lanes < CH) & (cols < C)
-    x_seq = x_ptr + seq * C
-    doc_seq = doc_ptr
-    if HAS_DOCS:
-        doc_seq = doc_ptr + seq
-    doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
-    z = _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
-                       K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
-    offs = seq * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
-    in_tile = row_ok[:, None] & col_ok[None, :]
+    z, offs, in_tile = _program_tile(x_ptr, w_ptr, doc_ptr, T, C, n_t_blocks,
+                                     K, CH, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
     dy = tl.load(dy_ptr + offs, mask=in_tile, other=0.0).to(tl.float32)
     tl.store(dz_ptr + offs, _grad_preactivation(z, dy, NORM, EPS), mask=in_tile)
 
