@@ -1,5 +1,5 @@
 """The AttnRes site op: the PyTorch reference against the docstring's formulas, the Triton op (run
-by Triton's CPU interpreter in a child process, see tests/ops/test_kda_triton.py for why) against
+by Triton's CPU interpreter in a child process, see tests/ops/interpreter.py for why) against
 the reference evaluated in float64, the dispatcher and input validation.
 
 Op vs float64 reference is relative RMS error, ||got - want|| / ||want||, per tensor: the output
@@ -13,19 +13,16 @@ and fails on any real mistake (a wrong or missing term of dV_i is an O(1) relati
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.ops.interpreter import guarded, interpreted_reports
 from titan_moe.ops import attn_res as attn_res_ops
 from titan_moe.ops.attn_res import attn_res_mix, attn_res_mix_naive, attn_res_mix_triton
 
 FP32_RTOL = 1e-5
 HALF_RTOL = 1e-2
-CHILD_TIMEOUT_S = 300
 EPS = 1e-6
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -96,23 +93,10 @@ def run_opcheck() -> dict:
             torch.library.opcheck(attn_res_fwd, args, test_utils=tests).items()}
 
 
-def guarded(fn, *args) -> dict:
-    """fn(*args), or the exception as {"error": ...}, so one failing case names itself."""
-    try:
-        return fn(*args)
-    except Exception as error:
-        return {"error": f"{type(error).__name__}: {error}"}
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a script)."""
-    child = subprocess.run(
-        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    """Every interpreted case, from one child process (this file run as a module)."""
+    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

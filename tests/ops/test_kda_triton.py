@@ -1,27 +1,23 @@
 """The KDA Triton op, run by Triton's CPU interpreter, against the float64 chunked reference.
 
-The interpreter is picked when @triton.jit decorates and again when Triton lazily imports its
-own helpers, so TRITON_INTERPRET=1 has to hold for a whole process: flipping it inside the pytest
-process fails in Triton 3.6 and would turn other tests' kernels into interpreted ones. All cases
-therefore run in one child process (this file run as a script) that reports relative errors.
+All cases run in one child process under Triton's interpreter (tests/ops/interpreter.py says
+why) that reports relative errors.
 `chunk_kda_torch` in float64 is the reference (it equals the recurrence to 1e-10,
 tests/ops/test_kda_reference.py). Outputs and every gradient are compared as relative RMS
 error, ||got - want|| / ||want||.
 """
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.ops.interpreter import guarded, interpreted_reports
+
 FP32_RTOL = 1e-4  # float32 kernels (IEEE GEMMs) vs float64
 G_MIN = -5.0
-CHILD_TIMEOUT_S = 300
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
 # name -> (batch, seq_len, heads, d_k, d_v, gate, documents, initial state + final state)
@@ -132,11 +128,8 @@ def run_opcheck() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                           timeout=CHILD_TIMEOUT_S)
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    """Every interpreted case, from one child process (this file run as a module)."""
+    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -158,14 +151,5 @@ def test_opcheck_schema_and_autograd(results):
 
 
 if __name__ == "__main__":
-    out = {}
-    for case_name, case in CASES.items():
-        try:
-            out[case_name] = run_case(*case)
-        except Exception as error:  # reported per case so one failure names itself
-            out[case_name] = {"error": f"{type(error).__name__}: {error}"}
-    try:
-        out["opcheck"] = run_opcheck()
-    except Exception as error:
-        out["opcheck"] = {"error": f"{type(error).__name__}: {error}"}
-    print(json.dumps(out))
+    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

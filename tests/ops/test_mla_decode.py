@@ -10,15 +10,14 @@ splits a row with several blocks each (the interpreter's grid is sized as for 8 
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.ops.interpreter import guarded, interpreted_reports
 from titan_moe.ops.mla_decode import mla_decode_attention_naive, split_layout
 
-CHILD_TIMEOUT_S = 300
 FP32_RTOL = 1e-5
 # name: (batch, heads, slots, lora, rope, pos)
 CASES = {
@@ -63,22 +62,10 @@ def run_opcheck() -> dict:
                                   test_utils=tests).items()}
 
 
-def guarded(fn, *args) -> dict:
-    try:
-        return fn(*args)
-    except Exception as e:  # reported to the parent test
-        return {"error": repr(e)}
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a script)."""
-    child = subprocess.run(
-        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    """Every interpreted case, from one child process (this file run as a module)."""
+    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

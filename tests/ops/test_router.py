@@ -1,5 +1,5 @@
 """qb_route: the PyTorch reference against a per-token loop, and the Triton op (run by Triton's
-CPU interpreter in a child process, see tests/ops/test_kda_triton.py for why) against the
+CPU interpreter in a child process, see tests/ops/interpreter.py for why) against the
 reference.
 
 Op vs reference is exact: ids, weights (their bits), histogram and load must be equal. The two
@@ -11,20 +11,17 @@ both, summed in different orders) is compared as relative RMS error, bound FP32_
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from tests.ops.interpreter import guarded, interpreted_reports
 from titan_moe.ops.router import qb_route, qb_route_naive
 from titan_moe.ops.router.histogram import qb_range
 
 FP32_GRAD_RTOL = 1e-6
 LOOP_WEIGHT_TOL = {torch.float32: 1e-6, torch.float64: 1e-14}  # vs the loop in Python floats
-CHILD_TIMEOUT_S = 300
 
 # name -> (T, E, k, route_scale, n_bins, logits kind, with valid mask, with histogram, dtype)
 CASES = {
@@ -87,23 +84,10 @@ def run_opcheck() -> dict:
     return {name: str(outcome) for name, outcome in checks.items()}
 
 
-def guarded(fn, *args) -> dict:
-    """fn(*args), or the exception as {"error": ...}, so one failing case names itself."""
-    try:
-        return fn(*args)
-    except Exception as error:
-        return {"error": f"{type(error).__name__}: {error}"}
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a script)."""
-    child = subprocess.run(
-        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    """Every interpreted case, from one child process (this file run as a module)."""
+    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

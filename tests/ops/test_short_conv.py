@@ -1,6 +1,6 @@
 """short_conv (causal depthwise conv + SiLU + optional per-head L2 norm): the PyTorch reference
 against a per-token loop, and the Triton op (run by Triton's CPU interpreter in a child process,
-see tests/ops/test_kda_triton.py for why) against the reference in float64.
+see tests/ops/interpreter.py for why) against the reference in float64.
 
 Op vs reference: y, dx and dweight as relative RMS error ||got − want|| / ||want||, the reference
 run in float64 on the op's inputs (x already rounded to its dtype, the same dy). Bounds:
@@ -16,20 +16,17 @@ run in float64 on the op's inputs (x already rounded to its dtype, the same dy).
 import importlib
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import titan_moe.ops.short_conv as short_conv_module
+from tests.ops.interpreter import guarded, interpreted_reports
 from titan_moe.ops.short_conv import NORM_EPS, short_conv, short_conv_naive
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 5e-3
 LOOP_ATOL = 1e-12  # the reference against the per-token loop, both float64
-CHILD_TIMEOUT_S = 300
 
 # name -> (B, T, heads, head size, K, documents, per-head norm, x dtype, extra)
 # extra: "zero-rows" zeroes x over a window so whole rows have a = 0 (the norm's eps branch);
@@ -134,23 +131,10 @@ def run_opcheck() -> dict:
     return report
 
 
-def guarded(fn, *args) -> dict:
-    """fn(*args), or the exception as {"error": ...}, so one failing case names itself."""
-    try:
-        return fn(*args)
-    except Exception as error:
-        return {"error": f"{type(error).__name__}: {error}"}
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a script)."""
-    child = subprocess.run(
-        [sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
+    """Every interpreted case, from one child process (this file run as a module)."""
+    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)
