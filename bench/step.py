@@ -8,7 +8,8 @@ Each row times one AdamW step of a freshly built, seeded model (forward, cross e
 optimizer; median of --iters after --warmup, the first of which compiles and is reported as
 first_step_s). The compiled modes
 compile as training does (titan_moe/parallel/parallelize.py's apply_compile: per sublayer and ViT
-block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass.
+block, fullgraph): `compiled` with compile.passes = [], `compiled+passes` with every pass,
+`compiled+cudagraphs` with every pass and compile.cudagraphs (CUDA graphs, CUDA only).
 `torchtitan` (text, proxy flavor or --smoke) is the anchor: torchtitan 0.2.2's deepseek_v3 at the
 proxy's widths (toy widths under --smoke), compiled per block as torchtitan compiles it
 (bench/anchor_deepseek.py), same step and tokens, TFLOPS by torchtitan's own FLOP count. Text
@@ -47,7 +48,9 @@ from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
 from titan_moe.parallel.parallelize import apply_compile
 
-MODES = {"eager": None, "compiled": [], "compiled+passes": list(PASS_NAMES)}
+# mode: (compile.passes, compile.cudagraphs); None: eager.
+MODES = {"eager": None, "compiled": ([], False), "compiled+passes": (list(PASS_NAMES), False),
+         "compiled+cudagraphs": (list(PASS_NAMES), True)}
 ANCHOR = "torchtitan"
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -151,13 +154,19 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
             model = TitanMoE(args)
         model.init_weights()
         if MODES[mode] is not None:
-            apply_compile(model, "inductor", set(), passes=MODES[mode])
+            passes, cudagraphs = MODES[mode]
+            apply_compile(model, "inductor", set(), passes=passes,
+                          cudagraphs=cudagraphs and device == "cuda")
         flops = flops_per_token(args, opts.seq_len)
         model_inputs = [batch["input"], batch["doc_ids"], *image_inputs]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
 
+    graphed = mode in MODES and MODES[mode] is not None and MODES[mode][1] and device == "cuda"
+
     def step() -> None:
+        if graphed:  # the last step's graph outputs may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         with amp:
             logits = model(*model_inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -167,6 +176,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
 
     torch._dynamo.reset()
     counters[COUNTER].clear()
+    counters["inductor"].clear()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -174,7 +184,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
-    passes_matched = matched_counts() if MODES.get(mode) else {}
+    passes_matched = matched_counts() if MODES.get(mode) and MODES[mode][0] else {}
     ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
     host_ms = host_issue_ms(step, device, opts.iters)
     trace = (opts.out.parent / f"trace-{inputs}-{mode.replace('+', '-')}.json.gz"
@@ -194,6 +204,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         "mfu_pct": 100 * tflops / opts.peak_tflops if device == "cuda" else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "passes_matched": passes_matched, "profile": profile,
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"] if graphed else None,
     }
 
 
@@ -208,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             with anchor_deepseek.row_scope(device) if mode == ANCHOR else contextlib.nullcontext():
                 rows.append(bench_one(opts, inputs, mode, device))
             r = rows[-1]
+            skips = r["cudagraph_skips"]
+            skips = "" if skips is None else f", cudagraph skips {skips}"
             print(f"done: {inputs} {mode} {r['ms']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
-                  f"{r['tflops']:.1f} TFLOPS, first step {r['first_step_s']:.0f} s", flush=True)
+                  f"{r['tflops']:.1f} TFLOPS, first step {r['first_step_s']:.0f} s{skips}",
+                  flush=True)
             write_json(opts.out, opts, rows)  # a row kept even if a later row is cut short
             if device == "cuda":
                 torch.cuda.empty_cache()  # the row's model and optimizer are gone: free them

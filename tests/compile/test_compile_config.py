@@ -85,6 +85,9 @@ def test_passes_switch_off_from_the_toml_and_the_cli(tmp_path):
         ('backend = "aot_eager"',
          "compile.passes ['situ_glu', 'attn_res', 'kda_gate'] are Inductor passes but "
          "compile.backend is 'aot_eager'; allowed with passes: 'inductor'"),
+        ('backend = "aot_eager"\npasses = []\ncudagraphs = true',
+         "compile.cudagraphs needs compile.backend = 'inductor', got 'aot_eager'"),
+        ("cudagraphs = 1", "compile.cudagraphs: expected bool, got 1"),
     ],
 )
 def test_bad_compile_values_name_the_field_and_what_is_allowed(tmp_path, lines, message):
@@ -140,3 +143,37 @@ def test_passes_off_compile_without_our_post_pass(tmp_path, monkeypatch):
     counts = _compiled_training_step(tmp_path, "passes = []")
     assert seen and all(kw["options"] is None and kw["fullgraph"] for kw in seen), seen
     assert counts == dict.fromkeys(PASS_NAMES, 0), counts
+
+
+def test_cudagraphs_are_off_by_default_and_refused_with_context_parallelism(tmp_path):
+    assert parse_job_config([]).compile.cudagraphs is False
+    assert _config(tmp_path, "cudagraphs = true").compile.cudagraphs is True
+    message = _error(tmp_path, "cudagraphs = true",
+                     ("--parallelism.context_parallel_degree", "2"))
+    assert "compile.cudagraphs with parallelism.context_parallel_degree > 1" in message
+
+
+def test_cudagraphs_graph_every_region_but_mla_and_give_kda_the_static_layout(tmp_path,
+                                                                             monkeypatch):
+    """What `cudagraphs = true` changes is each compile's options and the KDA layers' layout;
+    recorded without compiling (the graphs themselves run in tests/gpu/test_cudagraphs_cuda.py)."""
+    seen = []
+
+    def record(target, **kwargs):
+        module = getattr(target, "__self__", target)
+        seen.append((type(module).__name__, kwargs["options"]))
+        return target
+
+    monkeypatch.setattr(torch, "compile", record)
+    config = _config(tmp_path, "cudagraphs = true\npasses = []",
+                     ("--titan_moe.n_layers", "2", "--titan_moe.mla_layers", "2"))
+    args = get_flavor(config.model.flavor)
+    args.update_from_config(config)
+    model = TitanMoE(args)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    parallelize_titan_moe(model, dims, config)
+    graphed = {name: options == {"triton.cudagraphs": True} for name, options in seen}
+    assert graphed == {"AttnResSite": True, "RMSNorm": True, "KimiDeltaAttention": True,
+                       "GatedMLA": False, "SiTUGLU": True, "LatentMoE": True}, seen
+    kda = model.layers["0"].mixer
+    assert kda.sequence_recurrence.keywords == {"static_layout": True}

@@ -16,7 +16,7 @@ from titan_moe.train.config import (
     parse_job_config,
     parse_job_config_or_exit,
 )
-from titan_moe.train.trainer import main
+from titan_moe.train.trainer import check_graph_sequences, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -323,3 +323,17 @@ def test_supported_pipeline_layouts_parse(monkeypatch):
                                "--training.image_data", "digits"])
     assert config.parallelism.pipeline_parallel_degree == 2
     assert config.training.image_data == "digits"
+
+
+def test_cudagraphs_refuse_a_batch_past_the_static_kda_layout():
+    """compile.cudagraphs holds one sequence per row plus one per 64 tokens (2 x 128 tokens: 6);
+    counted here by hand from the starts, a seventh is refused with the counts in the message."""
+    doc = torch.zeros(2, 128, dtype=torch.int32)
+    doc[0, 10:] += 1
+    doc[0, 20:] += 1
+    doc[1, 5:] += 1
+    doc[1, 6:] += 1  # rows 2 + starts 4 = 6
+    check_graph_sequences(doc)
+    doc[1, 7:] += 1
+    with pytest.raises(ValueError, match="the batch has 7 KDA sequences .* holds 6 at most"):
+        check_graph_sequences(doc)

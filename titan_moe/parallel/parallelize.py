@@ -30,6 +30,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
+from titan_moe.model.kda import KimiDeltaAttention
+from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
 from titan_moe.parallel.context_parallel import apply_context_parallel, has_context_parallel
@@ -79,7 +81,8 @@ def parallelize_titan_moe(
         ac = job_config.activation_checkpoint
         op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
         apply_compile(model, job_config.compile.backend, units, job_config.compile.passes,
-                      job_config.compile.fullgraph, whole_layers=op_sac)
+                      job_config.compile.fullgraph, whole_layers=op_sac,
+                      cudagraphs=job_config.compile.cudagraphs)
     if shard:
         dp_mesh = parallel_dims.get_mesh(
             ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
@@ -132,6 +135,7 @@ def apply_compile(
     passes: Sequence[str] = PASS_NAMES,
     fullgraph: bool = True,
     whole_layers: bool = False,
+    cudagraphs: bool = False,
 ) -> None:
     """torch.compile per sublayer of every decoder layer (its two AttnRes sites, two RMSNorms,
     mixer and FFN) and per ViT block, with our Inductor passes; around nested FSDP units instead.
@@ -153,6 +157,15 @@ def apply_compile(
     through `torch.compile(options=...)`, so they apply to these compiles only. Under context
     parallelism a KDA or MLA mixer (or a whole layer holding one) compiles without fullgraph:
     its sequence steps are eager graph breaks (context_parallel.py says why).
+
+    `cudagraphs` (CUDA only) replays each compiled region as CUDA graphs (Inductor's cudagraph
+    trees, what mode="reduce-overhead" turns on): a region's launches cost one graph launch, so
+    the host stops setting the step's pace. KDA mixers switch fla's kernels to their static
+    document layout (fixed shapes, no host sync; `fla_backend.graph_sequence_bound` sequences
+    a batch at most). MLA
+    mixers are not graphed: their document attention sizes Flash's varlen call from the batch
+    (data-dependent shapes, which torch 2.11's partitioned cudagraphs fail to record). The
+    training loop calls `torch.compiler.cudagraph_mark_step_begin()` before each step.
     """
     check_pass_names(passes)
     if passes and backend != "inductor":
@@ -160,15 +173,28 @@ def apply_compile(
             f"compile.passes {list(passes)} are Inductor passes; compile.backend is {backend!r} "
             "(allowed with passes: 'inductor'; or set compile.passes = [])"
         )
-    compile_whole = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
-                                      options=inductor_options(passes) or None)
-    compile_pieces = functools.partial(compile_whole, fullgraph=False)
+    if cudagraphs and backend != "inductor":
+        raise ValueError(f"compile.cudagraphs needs compile.backend = 'inductor', got {backend!r}")
+    # Built once: each region's compiled code is reused by every region of its class only for
+    # one and the same options (an equal-looking copy is another backend, hence a recompile).
+    options = inductor_options(passes)
+    graphed_options = options | {"triton.cudagraphs": True}
+
+    if cudagraphs:
+        for module in model.modules():
+            if isinstance(module, KimiDeltaAttention) and not has_context_parallel(module):
+                module.sequence_recurrence = functools.partial(
+                    type(module).sequence_recurrence, static_layout=True)
 
     def compile_fn(target):
-        # A mixer under context parallelism breaks its graph around its eager collectives.
         module = getattr(target, "__self__", target)
-        pieces = isinstance(module, nn.Module) and has_context_parallel(module)
-        return (compile_pieces if pieces else compile_whole)(target)
+        # A mixer under context parallelism breaks its graph around its eager collectives.
+        is_module = isinstance(module, nn.Module)
+        pieces = is_module and has_context_parallel(module)
+        graphed = cudagraphs and not (is_module and any(isinstance(m, GatedMLA)
+                                                        for m in module.modules()))
+        return torch.compile(target, backend=backend, fullgraph=fullgraph and not pieces,
+                             options=(graphed_options if graphed else options) or None)
 
     for layer_id, layer in model.layers.named_children():
         if whole_layers:

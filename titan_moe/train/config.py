@@ -324,6 +324,11 @@ class Compile(tt_job_config.Compile):
     fullgraph: bool = True
     """torch.compile(fullgraph=...) of each compiled piece: True turns a graph break into an
     error."""
+    cudagraphs: bool = False
+    """CUDA only: replay each compiled piece as CUDA graphs (Inductor's cudagraph trees), so the
+    host's launches stop setting the step's pace (parallel/parallelize.py's apply_compile). fla's
+    KDA kernels then take the documents in fixed shapes: at most one document start per 64
+    tokens of a row on average (a batch past that is refused with its count)."""
 
 
 def _check_compile(job_config: Any) -> None:
@@ -338,6 +343,14 @@ def _check_compile(job_config: Any) -> None:
             f"compile.passes {config.passes} are Inductor passes but compile.backend is "
             f"{config.backend!r}; allowed with passes: 'inductor' (or set compile.passes = [])"
         )
+    if config.enable and config.cudagraphs:
+        if config.backend != "inductor":
+            raise ConfigError(f"compile.cudagraphs needs compile.backend = 'inductor', got "
+                              f"{config.backend!r} (or set compile.cudagraphs = false)")
+        if job_config.parallelism.context_parallel_degree > 1:
+            raise ConfigError("compile.cudagraphs with parallelism.context_parallel_degree > 1 "
+                              "is not supported (the KDA state exchange runs eagerly); set "
+                              "compile.cudagraphs = false")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ from titan_moe.eval.multimodal import digit_accuracy
 from titan_moe.model.args import FLAVORS
 from titan_moe.model.flops import CountedTitanMoEArgs
 from titan_moe.model.model import TitanMoE
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+from titan_moe.ops.kda.fla_backend import graph_sequence_bound
 from titan_moe.parallel.context_parallel import shard_batch
 from titan_moe.parallel.parallelize import parallelize_titan_moe
 from titan_moe.parallel.pipeline_schedule import TokenMeanLoss, pipeline_titan_moe
@@ -238,6 +240,20 @@ class TitanMoETrainer(PlatformTrainer):
         # Saves gain a manifest; loads take a step that verifies (checkpoint_verify.py).
         self.verified_checkpoints = VerifiedCheckpoints(self.checkpointer, self.model_args)
         self.last_batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
+        compile_config = job_config.compile
+        self.cudagraphs = (compile_config.enable and compile_config.cudagraphs
+                           and "model" in compile_config.components
+                           and self.device.type == "cuda")
+        if self.cudagraphs and (self.gradient_accumulation_steps > 1
+                                or self.parallel_dims.pp_enabled):
+            # A micro-batch's replay would overwrite the gradients the last one left in the
+            # graphs' memory before the optimizer reads them.
+            raise ValueError(
+                "compile.cudagraphs takes one micro-batch a step: got "
+                f"{self.gradient_accumulation_steps} gradient-accumulation steps and pipeline "
+                f"parallelism {'on' if self.parallel_dims.pp_enabled else 'off'}; set "
+                "training.global_batch_size to local_batch_size x data-parallel degree, "
+                "pipeline_parallel_degree = 1, or compile.cudagraphs = false")
         self.head = getattr(self.model_parts[0], "output", None)
         if job_config.training.loss_chunk:
             # The validator keeps the full-logits loss: it runs the model outside the step.
@@ -256,6 +272,8 @@ class TitanMoETrainer(PlatformTrainer):
 
     def forward_backward_step(self, *, input_dict, labels, **kwargs) -> torch.Tensor:
         self.last_batch = (input_dict, labels)
+        if self.cudagraphs and input_dict.get("doc_ids") is not None:
+            check_graph_sequences(input_dict["doc_ids"])
         step = super().forward_backward_step
         if self.parallel_dims.pp_enabled:
             loss = self.pipeline_step(input_dict, labels, **kwargs)
@@ -298,6 +316,8 @@ class TitanMoETrainer(PlatformTrainer):
 
     def train_step(self, data_iterator) -> None:
         self.step_guard.begin(self.step)
+        if self.cudagraphs:  # the last step's graph outputs may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         super().train_step(data_iterator)
         evaluation = getattr(self.job_config, "multimodal_eval", None)
         if evaluation is not None and evaluation.freq and self.step % evaluation.freq == 0:
@@ -331,6 +351,19 @@ class TitanMoETrainer(PlatformTrainer):
         logger.info("long-context eval: " + "  ".join(f"{k.removeprefix('long_context/')}: "
                                                       f"{v:.4f}" for k, v in metrics.items()))
         return metrics
+
+
+def check_graph_sequences(doc_ids: torch.Tensor) -> None:
+    """Refuse a batch with more sequences (row starts plus document starts) than the CUDA-graphed
+    KDA layout holds (compile.cudagraphs), naming its count and the bound."""
+    batch, seq_len = doc_ids.shape
+    count = batch + int((doc_ids[:, 1:] != doc_ids[:, :-1]).sum())
+    bound = graph_sequence_bound(batch, seq_len)
+    if count > bound:
+        raise ValueError(
+            f"the batch has {count} KDA sequences (rows + document starts) and compile.cudagraphs "
+            f"holds {bound} at most ({batch} x {seq_len} tokens: one per row plus one per "
+            f"{KDA_CHUNK_SIZE} tokens); pack longer documents or set compile.cudagraphs = false")
 
 
 @record

@@ -10,6 +10,8 @@ the device, in Python, before any op is called: Inductor cannot compile user Tri
 for CPU tensors.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -40,8 +42,11 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _cuda_kernels(backend: str):
-    return chunk_kda_fla if resolve_backend(backend) == "fla" else chunk_kda_triton
+def _cuda_kernels(backend: str, static_layout: bool = False):
+    # Our op reads the documents on the device already; fla's takes them in fixed shapes on ask.
+    if resolve_backend(backend) == "fla":
+        return functools.partial(chunk_kda_fla, static_layout=static_layout)
+    return chunk_kda_triton
 
 
 def _use_triton(q: Tensor, cu_seqlens: Tensor | None, initial_state: Tensor | None,
@@ -102,15 +107,17 @@ def chunk_kda_fused_gate(
     cu_seqlens: Tensor | None = None,
     doc_ids: Tensor | None = None,
     backend: str = "auto",
+    static_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """chunk_kda with g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) computed by the kernels.
 
     g_raw [B,T,H,K], A_log [H], dt_bias [H*K]; on CUDA the gate, its chunk-local cumsum and
-    their gradients never leave the Triton kernels.
+    their gradients never leave the Triton kernels. static_layout: the documents in fixed shapes
+    with no host sync, replayable as a CUDA graph (fla_backend.fla_kda_fwd says how).
     """
     with torch.autocast(q.device.type, enabled=False):
         if _use_triton(q, cu_seqlens, initial_state, output_final_state):
-            return _cuda_kernels(backend)(
+            return _cuda_kernels(backend, static_layout)(
                 q, k, v, g_raw, beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, doc=_documents(q, cu_seqlens, doc_ids),
                 A_log=A_log, dt_bias=dt_bias, g_min=g_min,

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from titan_moe.ops.kda.intra_chunk import CHUNK
@@ -71,9 +72,26 @@ def _require_fla():
     # Imported here, not at module level: fla-core is optional and pulls in its kernels.
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
-    from fla.ops.utils.index import prepare_chunk_indices
 
-    return chunk_kda_fwd, chunk_kda_bwd, prepare_chunk_indices
+    _allocate_fresh_graph_buffers()
+    return chunk_kda_fwd, chunk_kda_bwd
+
+
+def _fresh_buffer(name: str, shape: tuple, dtype: torch.dtype, device, zero: bool = False):
+    return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+
+
+def _allocate_fresh_graph_buffers() -> None:
+    """fla's use_graph mode (our static layout) takes its backward's scratch and gradient
+    tensors from process-wide buffers, one per name and shape, made for fla's own manual graph
+    capture. Under Inductor's CUDA graphs they would be allocated in the graphs' memory pool and
+    kept alive untracked (cudagraph trees refuse that), and every KDA layer's gradients would
+    share one buffer. Here each call allocates its own, as fla does without use_graph."""
+    from fla.ops.common import chunk_delta_h
+    from fla.ops.kda import chunk_bwd, chunk_intra
+
+    for module in (chunk_bwd, chunk_intra, chunk_delta_h):
+        module.get_static_buffer = _fresh_buffer
 
 
 def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -85,6 +103,36 @@ def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     first = starts.flatten().nonzero().flatten()
     cu_seqlens = torch.cat([first, first.new_tensor([batch * seq_len])]).to(torch.int32)
     seq_of_token = starts.flatten().cumsum(0) - 1
+    row_first = seq_of_token[torch.arange(batch, device=doc.device) * seq_len]
+    row_last = seq_of_token[torch.arange(1, batch + 1, device=doc.device) * seq_len - 1]
+    t = torch.arange(seq_len, device=doc.device)
+    seq_start = torch.cummax(torch.where(starts, t, 0), dim=1).values
+    return cu_seqlens, row_first, row_last, (t - seq_start) % CHUNK
+
+
+def graph_sequence_bound(batch: int, seq_len: int) -> int:
+    """How many sequences (row starts and document starts) the static layout holds: one per row
+    plus one per CHUNK tokens, i.e. documents at least CHUNK tokens long on average. fla's grids
+    are sized by it (a spare sequence is a few programs that return at once), so it stays near
+    the real count instead of one per token."""
+    return batch * (seq_len // CHUNK + 1)
+
+
+def _static_sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_sequences` with fixed shapes and no host sync, for CUDA graphs: cu_seqlens holds
+    graph_sequence_bound sequences, the ones past the real count empty (start = end = B*T), as
+    fla's use_graph mode takes them. A batch with more sequences than that stops at a
+    device-side assert (the trainer refuses such a batch on the host first, with its count)."""
+    batch, seq_len = doc.shape
+    bound = graph_sequence_bound(batch, seq_len)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    flat = starts.flatten()
+    torch._assert_async(flat.sum() <= bound, "more KDA sequences than graph_sequence_bound")
+    first = torch.nonzero_static(flat, size=bound, fill_value=batch * seq_len).flatten()
+    # Padded on the device: a host tensor's copy is not allowed while a graph records.
+    cu_seqlens = F.pad(first, (0, 1), value=batch * seq_len).to(torch.int32)
+    seq_of_token = flat.cumsum(0) - 1
     row_first = seq_of_token[torch.arange(batch, device=doc.device) * seq_len]
     row_last = seq_of_token[torch.arange(1, batch + 1, device=doc.device) * seq_len - 1]
     t = torch.arange(seq_len, device=doc.device)
@@ -127,10 +175,25 @@ def _flat(x: Tensor | None, varlen: bool) -> Tensor | None:
     return x.reshape(1, -1, *x.shape[2:]) if x is not None and varlen else x
 
 
-def _varlen_args(cu_seqlens: Tensor | None, prepare_chunk_indices) -> dict:
+def _layout(doc: Tensor | None, static: bool) -> tuple[Tensor | None, ...]:
+    if doc is None:
+        return None, None, None, None
+    return _static_sequences(doc) if static else document_sequences(doc)
+
+
+def _varlen_args(cu_seqlens: Tensor | None, static: bool, total: int) -> dict:
     if cu_seqlens is None:
         return dict(cu_seqlens=None, chunk_indices=None)
-    return dict(cu_seqlens=cu_seqlens, chunk_indices=prepare_chunk_indices(cu_seqlens, CHUNK))
+    # Imported here: fla-core is optional (see _require_fla).
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_indices_static
+
+    if not static:
+        return dict(cu_seqlens=cu_seqlens, chunk_indices=prepare_chunk_indices(cu_seqlens, CHUNK))
+    # Every sequence may end in a partial chunk: at most total/CHUNK + (sequences - 1) chunks.
+    n_max = -(-total // CHUNK) + cu_seqlens.numel() - 2
+    chunk_indices, chunk_offsets = prepare_chunk_indices_static(cu_seqlens, CHUNK, n_max)
+    return dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+                use_graph=True)
 
 
 def _gate_args(A_log: Tensor | None, dt_bias: Tensor | None, g_min: float) -> dict:
@@ -159,16 +222,18 @@ def fla_kda_fwd(
     scale: float,
     g_min: float,
     output_final_state: bool,
+    static_layout: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o like q, final [B,H,K,V] fp32 or empty, A_qk, A_kk [B,T,H,C] in k's dtype, G fp32 or
-    empty: the gate's chunk cumsum, kept for the backward when the gate is precomputed)."""
-    fwd, _, prepare_chunk_indices = _require_fla()
+    empty: the gate's chunk cumsum, kept for the backward when the gate is precomputed).
+
+    static_layout: the documents' layout in fixed shapes without a host sync, so a CUDA graph
+    can replay the call for any documents (see _static_sequences); otherwise the exact layout,
+    read on the host once a step (document_sequences)."""
+    fwd, _ = _require_fla()
     varlen = doc is not None
-    # The document layout: one host sync (nonzero) a step, shared by every call (see above).
-    if varlen:
-        cu_seqlens, row_first, row_last, chunk_row = document_sequences(doc)
-    else:
-        cu_seqlens = row_first = row_last = None
+    cu_seqlens, row_first, row_last, chunk_row = _layout(doc, static_layout)
+    if not varlen:
         chunk_row = torch.arange(q.shape[1], device=q.device) % CHUNK
     if initial_state is not None and varlen:
         initial_state = _per_sequence(initial_state, row_first, cu_seqlens)
@@ -176,7 +241,8 @@ def fla_kda_fwd(
         q=_flat(q, varlen), k=_flat(k, varlen), v=_flat(v, varlen), g=_flat(g, varlen),
         beta=_flat(beta, varlen), scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=CHUNK,
-        **_varlen_args(cu_seqlens, prepare_chunk_indices), **_gate_args(A_log, dt_bias, g_min),
+        **_varlen_args(cu_seqlens, static_layout, q.shape[0] * q.shape[1]),
+        **_gate_args(A_log, dt_bias, g_min),
     )  # fmt: skip
     if output_final_state and varlen:
         final = final[row_last]
@@ -187,7 +253,8 @@ def fla_kda_fwd(
 
 
 @fla_kda_fwd.register_fake
-def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, output_final_state):
+def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, output_final_state,
+      static_layout):
     batch, _, heads, d_k = q.shape
     final = (q.new_empty(batch, heads, d_k, v.shape[-1], dtype=torch.float32)
              if output_final_state else q.new_empty(0, dtype=torch.float32))
@@ -216,14 +283,14 @@ def fla_kda_bwd(
     d_final: Tensor | None,
     scale: float,
     g_min: float,
+    static_layout: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta in their inputs' dtypes, d initial_state, dA_log, d dt_bias; the
     last three empty where the input is absent)."""
-    _, bwd, prepare_chunk_indices = _require_fla()
+    _, bwd = _require_fla()
     varlen = doc is not None
     fused = A_log is not None
-    cu_seqlens, row_first, row_last, _ = (document_sequences(doc) if varlen
-                                          else (None, None, None, None))
+    cu_seqlens, row_first, row_last, _ = _layout(doc, static_layout)
     h0, dht = initial_state, d_final
     if varlen:
         h0 = None if h0 is None else _per_sequence(h0, row_first, cu_seqlens)
@@ -233,7 +300,7 @@ def fla_kda_bwd(
         Aqk=_flat(A_qk, varlen), Akk=_flat(A_kk, varlen), scale=scale, initial_state=h0,
         do=_flat(do, varlen), dht=dht,
         g=None if fused else _flat(g_cumsum, varlen), g_org=_flat(g, varlen) if fused else None,
-        chunk_size=CHUNK, **_varlen_args(cu_seqlens, prepare_chunk_indices),
+        chunk_size=CHUNK, **_varlen_args(cu_seqlens, static_layout, q.shape[0] * q.shape[1]),
         **_gate_args(A_log, dt_bias, g_min),
     )  # fmt: skip
     if initial_state is None:
@@ -250,7 +317,7 @@ def fla_kda_bwd(
 
 @fla_kda_bwd.register_fake
 def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum, do, d_final,
-      scale, g_min):
+      scale, g_min, static_layout):
     def like(x):
         return q.new_empty(0, dtype=torch.float32) if x is None else torch.empty_like(x)
 
@@ -259,12 +326,12 @@ def _(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _ = inputs
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _, static_layout = inputs
     _, _, A_qk, A_kk, g_cumsum = output
     ctx.mark_non_differentiable(A_qk, A_kk, g_cumsum)
     ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk,
                           g_cumsum)
-    ctx.scale, ctx.g_min = scale, g_min
+    ctx.scale, ctx.g_min, ctx.static_layout = scale, g_min, static_layout
 
 
 def _backward(ctx, do, d_final, *_):
@@ -274,10 +341,11 @@ def _backward(ctx, do, d_final, *_):
     dq, dk, dv, dg, dbeta, d_initial, dA_log, d_dt_bias = fla_kda_bwd(
         q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, A_kk, g_cumsum,
         do.contiguous(), None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min,
+        ctx.static_layout,
     )  # fmt: skip
     return (dq, dk, dv, dg, dbeta, None, dA_log if A_log is not None else None,
             d_dt_bias if dt_bias is not None else None,
-            d_initial if initial_state is not None else None, None, None, None)
+            d_initial if initial_state is not None else None, None, None, None, None)
 
 
 fla_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -296,8 +364,10 @@ def chunk_kda_fla(
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
     g_min: float = -5.0,
+    static_layout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """`chunk_kda_triton`'s interface and semantics, computed by fla-core's kernels."""
+    """`chunk_kda_triton`'s interface and semantics, computed by fla-core's kernels.
+    static_layout: CUDA-graph-safe documents (fla_kda_fwd says how)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
@@ -306,6 +376,6 @@ def chunk_kda_fla(
         None if doc is None else doc.contiguous(),
         None if A_log is None else A_log.float().contiguous(),
         None if dt_bias is None else dt_bias.float().contiguous(),
-        initial_state, float(scale), float(g_min), output_final_state,
+        initial_state, float(scale), float(g_min), output_final_state, static_layout,
     )  # fmt: skip
     return o, final if output_final_state else None

@@ -88,27 +88,33 @@ def _row_docs(doc_seq, rows, row_ok, HAS_DOCS: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(x_ptr, w_ptr, doc_ptr, T, C, n_t_blocks,
-                  K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_C: tl.constexpr, HAS_DOCS: tl.constexpr):  # fmt: skip
-    """The forward's tile of this program (BLOCK_T rows of one sequence, CH channels): its
-    pre-activation z, fp32, with the tile's element offsets and mask."""
+def _tile_coords(T, C, n_t_blocks, CH: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_C: tl.constexpr):  # fmt: skip
+    """This program's tile of the forward: BLOCK_T rows of one sequence (its first element's
+    offset seq * C), CH channels. Takes no pointer: Inductor's analysis of which tensors a
+    kernel writes follows a store's offsets back through every argument of the call that made
+    them, and would count pointers passed here as written (then clone them, and refuse to
+    CUDA-graph a region whose input they are)."""
     pid = tl.program_id(0)
     seq = (pid // n_t_blocks).to(tl.int64) * T
     rows = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
     lanes = tl.arange(0, BLOCK_C)
     cols = tl.program_id(1) * CH + lanes
-    col_ok = (lanes < CH) & (cols < C)
+    return seq, rows, rows < T, cols, (lanes < CH) & (cols < C)
+
+
+@triton.jit
+def _tile_preactivation(x_ptr, w_ptr, doc_ptr, seq, rows, row_ok, cols, col_ok, C,
+                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                        HAS_DOCS: tl.constexpr):  # fmt: skip
+    """The tile's pre-activation z, fp32."""
     x_seq = x_ptr + seq * C
     doc_seq = doc_ptr
     if HAS_DOCS:
         doc_seq = doc_ptr + seq
     doc_rows = _row_docs(doc_seq, rows, row_ok, HAS_DOCS)
-    z = _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
-                       K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
-    offs = seq * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
-    return z, offs, row_ok[:, None] & col_ok[None, :]
+    return _preactivation(x_seq, w_ptr, doc_seq, rows, row_ok, doc_rows, cols, col_ok, C,
+                          K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
 
 
 @triton.jit
@@ -117,8 +123,11 @@ def short_conv_fwd_kernel(
     K: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_DOCS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
-    z, offs, in_tile = _program_tile(x_ptr, w_ptr, doc_ptr, T, C, n_t_blocks,
-                                     K, CH, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    seq, rows, row_ok, cols, col_ok = _tile_coords(T, C, n_t_blocks, CH, BLOCK_T, BLOCK_C)
+    z = _tile_preactivation(x_ptr, w_ptr, doc_ptr, seq, rows, row_ok, cols, col_ok, C,
+                            K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    offs = seq * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    in_tile = row_ok[:, None] & col_ok[None, :]
     y = z * tl.sigmoid(z)
     if NORM:
         norm = tl.sqrt(tl.sum(y * y, axis=1))
@@ -149,8 +158,11 @@ def short_conv_bwd_dz_kernel(
 ):  # fmt: skip
     """dz = dL/dz (fp32) at the forward's tiles: z recomputed from x, then SiLU's and the norm's
     backward."""
-    z, offs, in_tile = _program_tile(x_ptr, w_ptr, doc_ptr, T, C, n_t_blocks,
-                                     K, CH, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    seq, rows, row_ok, cols, col_ok = _tile_coords(T, C, n_t_blocks, CH, BLOCK_T, BLOCK_C)
+    z = _tile_preactivation(x_ptr, w_ptr, doc_ptr, seq, rows, row_ok, cols, col_ok, C,
+                            K, BLOCK_T, BLOCK_C, HAS_DOCS)  # fmt: skip
+    offs = seq * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    in_tile = row_ok[:, None] & col_ok[None, :]
     dy = tl.load(dy_ptr + offs, mask=in_tile, other=0.0).to(tl.float32)
     tl.store(dz_ptr + offs, _grad_preactivation(z, dy, NORM, EPS), mask=in_tile)
 

@@ -1,0 +1,118 @@
+"""Which tensors Inductor believes each of our Triton kernels writes: exactly its outputs.
+
+Inductor reads a user kernel's TTIR to find the tensors it stores to, following each store's
+pointer back through every value it was computed from, across calls into helper functions. A
+helper that takes pointers and also returns offsets makes every pointer it took look written:
+Inductor then clones those inputs before each launch, and a CUDA-graphed region whose input
+(doc ids, say) a kernel "writes" is not graphed at all (seen on the H200, 2026-12-04, with the
+short conv's tile helper). Each op here runs on CPU with its launches recorded instead of run,
+and Inductor's own analysis reads each launched kernel's TTIR for an sm_90 target (no GPU is
+needed to make TTIR); the writes it finds are compared with the kernel's output arguments.
+"""
+
+import importlib
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class _Hopper:
+    """The one driver method making TTIR needs: the target to lower for."""
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture(autouse=True)
+def hopper_target():
+    # Put back as found: reset_active would look for a GPU driver, which a CPU host lacks.
+    before = driver._active
+    driver.set_active(_Hopper())
+    yield
+    driver._active = before
+
+
+def written(module_name: str, call: Callable) -> dict[str, set[str]]:
+    """kernel name -> the argument names Inductor finds written, for each launch `call` makes."""
+    module = importlib.import_module(module_name)
+    launches = []
+
+    def record(kernel):
+        def launch(*args, **kwargs):
+            # The leading arguments come positionally, the rest (constexprs) by name.
+            bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+            launches.append((kernel, {k: v for k, v in bound.items() if k in kernel.arg_names}))
+
+        return type("Grid", (), {"__getitem__": lambda self, grid: launch})()
+
+    real = module.wrap_triton
+    module.wrap_triton = record
+    try:
+        call(module)
+    finally:
+        module.wrap_triton = real
+    found = {}
+    for kernel, kwargs in launches:
+        accesses = identify_accessed_tensors(kernel, kwargs, {})
+        found[kernel.fn.__name__] = {dep.name for dep in accesses.read_writes.writes}
+    return found
+
+
+def test_short_conv_kernels_write_only_their_outputs():
+    x, w = torch.randn(2, 128, 256), torch.randn(256, 4)
+    doc = torch.zeros(2, 128, dtype=torch.int32)
+    got = written("titan_moe.ops.short_conv.short_conv_triton",
+                  lambda m: (m.short_conv_triton(x, w, doc, 64),
+                             m.short_conv_bwd_triton(x, x, w, doc, 64)))
+    assert got == {"short_conv_fwd_kernel": {"y_ptr"}, "short_conv_bwd_dz_kernel": {"dz_ptr"},
+                   "short_conv_bwd_dx_kernel": {"dx_ptr", "dw_ptr"}}
+
+
+def test_attn_res_kernels_write_only_their_outputs():
+    sources = [torch.randn(256, 256), torch.randn(256, 256).bfloat16(),
+               torch.randn(256, 256).bfloat16()]
+    query, gain = torch.randn(256), torch.ones(256)
+
+    def run(m):
+        m.attn_res_fwd(sources, query, gain, 1e-6)
+        m.attn_res_bwd(sources, torch.empty(3, 3, 256), query, torch.randn(256, 256))
+
+    got = written("titan_moe.ops.attn_res.attn_res_triton", run)
+    assert got == {"attn_res_fwd_kernel": {"out_ptr", "stats_ptr"},
+                   "attn_res_bwd_kernel": {"d0", "d1", "d2", "du_ptr"}}
+
+
+def test_router_kernel_writes_only_its_outputs():
+    got = written("titan_moe.ops.router.qb_route_triton",
+                  lambda m: m.qb_route_triton(torch.randn(64, 16), torch.zeros(16), None, 2, 1.0,
+                                              32, True))
+    assert got == {"qb_route_kernel": {"ids_ptr", "weights_ptr", "hist_ptr", "load_ptr"}}
+
+
+def test_kda_kernels_write_only_their_outputs():
+    q = torch.randn(1, 128, 2, 64).bfloat16()
+    g, beta = -torch.rand(1, 128, 2, 64), torch.rand(1, 128, 2)
+    doc = torch.zeros(1, 128, dtype=torch.int32)
+
+    def run(m):
+        m.chunk_kda_fwd(q, q, q, g, beta, doc, None, None, None, 0.125, -5.0, True)
+        return m.chunk_kda_bwd(q, q, q, g, beta, doc, None, None, None, q, None, 0.125, -5.0)
+
+    got = written("titan_moe.ops.kda.chunk_triton", run)
+    # The backward's launches of the forward kernels (recomputation) overwrite their entries.
+    assert got == {"chunk_intra_kernel": {"G_out", "A_qk", "KK", "Tinv", "W", "U"},
+                   "state_scan_fwd_kernel": {"h_states", "v_new"}, "chunk_output_kernel": {"o"},
+                   "state_scan_bwd_kernel": {"dh_states", "dv_new"},
+                   "intra_chunk_bwd_kernel": {"dq", "dk", "dv", "dg", "dbeta"}}
+
+
+def test_mla_decode_kernel_writes_only_its_outputs():
+    got = written("titan_moe.ops.mla_decode",
+                  lambda m: m.mla_decode_triton(torch.randn(2, 4, 96), torch.randn(2, 64, 96),
+                                                torch.ones(2, 64, dtype=torch.bool),
+                                                torch.zeros(2, dtype=torch.int64), 0.1, 64))
+    assert got == {"mla_decode_split_kernel": {"m_ptr", "l_ptr", "acc_ptr"}}
