@@ -46,6 +46,9 @@ step trace_gaps python3 bench/trace_gaps.py "$out/trace-text-compiled-passes.jso
 # log (run it first in a fresh machine, without a carried Triton cache, for the cold figure).
 step run_train env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 100 \
     --checkpoint.no_enable --job.dump_folder "$out/run_train"
+# The same with CUDA graphs (compile.cudagraphs): each sublayer's graphs replayed.
+step run_train_cudagraphs env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 100 \
+    --checkpoint.no_enable --compile.cudagraphs --job.dump_folder "$out/run_train_cudagraphs"
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
 step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"

@@ -153,10 +153,10 @@ def test_cudagraphs_are_off_by_default_and_refused_with_context_parallelism(tmp_
     assert "compile.cudagraphs with parallelism.context_parallel_degree > 1" in message
 
 
-def test_cudagraphs_graph_every_region_but_mla_and_give_kda_the_static_layout(tmp_path,
-                                                                             monkeypatch):
-    """What `cudagraphs = true` changes is each compile's options and the KDA layers' layout;
-    recorded without compiling (the graphs themselves run in tests/gpu/test_cudagraphs_cuda.py)."""
+def test_cudagraphs_graph_every_region_and_give_the_mixers_the_static_layout(tmp_path,
+                                                                           monkeypatch):
+    """What `cudagraphs = true` changes is each compile's options and the mixers' document
+    layout; recorded without compiling (the graphs run in tests/gpu/test_cudagraphs_cuda.py)."""
     seen = []
 
     def record(target, **kwargs):
@@ -174,6 +174,6 @@ def test_cudagraphs_graph_every_region_but_mla_and_give_kda_the_static_layout(tm
     parallelize_titan_moe(model, dims, config)
     graphed = {name: options == {"triton.cudagraphs": True} for name, options in seen}
     assert graphed == {"AttnResSite": True, "RMSNorm": True, "KimiDeltaAttention": True,
-                       "GatedMLA": False, "SiTUGLU": True, "LatentMoE": True}, seen
-    kda = model.layers["0"].mixer
-    assert kda.sequence_recurrence.keywords == {"static_layout": True}
+                       "GatedMLA": True, "SiTUGLU": True, "LatentMoE": True}, seen
+    assert model.layers["0"].mixer.sequence_recurrence.keywords == {"static_layout": True}
+    assert model.layers["1"].mixer.attention.keywords == {"static_layout": True}

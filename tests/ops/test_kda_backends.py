@@ -20,6 +20,7 @@ from titan_moe.ops.kda.fla_backend import (
     document_sequences,
 )
 from titan_moe.ops.kda.intra_chunk import CHUNK
+from titan_moe.ops.static_documents import graph_sequence_bound
 
 
 def random_docs(batch: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -58,6 +59,21 @@ def test_documents_become_fla_sequences(seed):
             same = doc[b, t] == doc[b, t - 1]
             want_row[b][t] = (want_row[b][t - 1] + 1) % CHUNK if same else 0
     assert chunk_row.tolist() == want_row
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_static_layout_pads_the_exact_sequences_with_empty_ones(seed):
+    """CUDA graphs' layout: the loop's sequences, then empty ones (start = end = B*T) up to
+    graph_sequence_bound, with the same row picks and chunk rows."""
+    g = torch.Generator().manual_seed(seed)
+    doc = (torch.rand(2, 640, generator=g) < 1 / 128).long().cumsum(1)  # about 5 starts a row
+    want_cu, want_first, want_last = sequences_by_loop(doc)
+    cu_seqlens, row_first, row_last, chunk_row = _sequences(doc, static=True)
+    bound = graph_sequence_bound(2, 640)
+    assert bound == 2 * (640 // CHUNK + 1) and len(want_cu) - 1 < bound
+    assert cu_seqlens.tolist() == want_cu + [2 * 640] * (bound + 1 - len(want_cu))
+    assert row_first.tolist() == want_first and row_last.tolist() == want_last
+    assert torch.equal(chunk_row, _sequences(doc)[3])
 
 
 def test_chunk_matrices_keep_each_rows_lower_triangle_only():

@@ -335,5 +335,5 @@ def test_cudagraphs_refuse_a_batch_past_the_static_kda_layout():
     doc[1, 6:] += 1  # rows 2 + starts 4 = 6
     check_graph_sequences(doc)
     doc[1, 7:] += 1
-    with pytest.raises(ValueError, match="the batch has 7 KDA sequences .* holds 6 at most"):
+    with pytest.raises(ValueError, match="the batch has 7 sequences .* holds 6 at most"):
         check_graph_sequences(doc)

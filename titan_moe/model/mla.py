@@ -94,6 +94,10 @@ def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 class GatedMLA(nn.Module):
+    # Attention within documents, attention(q, k, v, q_doc, kv_doc, scale). Compiling with CUDA
+    # graphs (parallel/parallelize.py) replaces it per instance with its fixed-shape layout.
+    attention = staticmethod(document_causal_attention)
+
     def __init__(self, args: TitanMoEArgs) -> None:
         super().__init__()
         self.n_heads = args.mla_n_heads
@@ -133,7 +137,7 @@ class GatedMLA(nn.Module):
         kv = self.w_kvb(self.kv_norm(c_kv)).view(b, s, h, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, s, h, self.rope)], dim=-1)
-        o = document_causal_attention(q, k, v, doc_ids, kv_doc_ids, self.scale)
+        o = self.attention(q, k, v, doc_ids, kv_doc_ids, self.scale)
         return self.w_o(torch.sigmoid(self.w_g(x)) * o.reshape(b, t, h * self.v_dim))
 
     def latent_prefix(

@@ -9,6 +9,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from titan_moe.ops.static_documents import cu_seqlens_from_starts, sequence_starts
+
 
 def document_causal_mask(q_doc: torch.Tensor, kv_doc: torch.Tensor | None = None) -> torch.Tensor:
     """[B, L] / [B, S] document index per query / key -> [B, 1, L, S] bool, True where allowed.
@@ -30,12 +32,14 @@ def document_causal_attention(
     q_doc: torch.Tensor | None,
     kv_doc: torch.Tensor | None,
     scale: float,
+    static_layout: bool = False,
 ) -> torch.Tensor:
     """softmax(q kᵀ scale + causal/document mask) v; q [B,L,H,D], k [B,S,H,D], v [B,S,H,Dv].
 
     Queries are the last L of the S key positions. On CUDA in half precision the documents go
     to Flash Attention's varlen kernel, so no [L, S] mask exists (long context); elsewhere SDPA
-    takes the explicit mask. Returns [B, L, H, Dv].
+    takes the explicit mask. static_layout (L == S, one doc tensor): the varlen call in fixed
+    shapes with no host sync, for CUDA graphs (ops/static_documents.py). Returns [B, L, H, Dv].
     """
     if q_doc is None and q.shape[1] == k.shape[1]:
         o = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)),
@@ -45,6 +49,8 @@ def document_causal_attention(
         q_doc = q.new_zeros(q.shape[:2], dtype=torch.long)
         kv_doc = k.new_zeros(k.shape[:2], dtype=torch.long)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+        if static_layout and q.shape[1] == k.shape[1]:
+            return static_varlen_document_attention(q, k, v, q_doc, scale)
         return varlen_document_attention(q, k, v, q_doc, kv_doc, scale)
     mask = document_causal_mask(q_doc, kv_doc)
     o = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)),
@@ -77,6 +83,25 @@ def varlen_document_attention(
     causal = _VARLEN_CAUSAL or {"window_size": (-1, 0)}
     o = varlen_attn(q.reshape(batch * length, heads, dim) * (scale * dim**0.5), k[keep],
                     v_padded, cu_q, cu_k, int(q_counts.max()), int(k_counts.max()), **causal)
+    return o[..., :dv].reshape(batch, length, heads, dv)
+
+
+def static_varlen_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """varlen_document_attention for queries and keys of the same positions (training), in
+    fixed shapes: cu_seqlens padded with empty sequences to graph_sequence_bound and every
+    sequence's length bounded by the row's, so a CUDA graph replays it for any documents."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, length, heads, dim = q.shape
+    dv = v.shape[-1]
+    cu = cu_seqlens_from_starts(sequence_starts(doc), static=True)
+    rows = batch * length
+    causal = _VARLEN_CAUSAL or {"window_size": (-1, 0)}
+    o = varlen_attn(q.reshape(rows, heads, dim) * (scale * dim**0.5), k.reshape(rows, heads, dim),
+                    F.pad(v, (0, dim - dv)).reshape(rows, heads, dim), cu, cu, length, length,
+                    **causal)
     return o[..., :dv].reshape(batch, length, heads, dv)
 
 

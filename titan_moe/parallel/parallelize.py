@@ -160,12 +160,10 @@ def apply_compile(
 
     `cudagraphs` (CUDA only) replays each compiled region as CUDA graphs (Inductor's cudagraph
     trees, what mode="reduce-overhead" turns on): a region's launches cost one graph launch, so
-    the host stops setting the step's pace. KDA mixers switch fla's kernels to their static
-    document layout (fixed shapes, no host sync; `fla_backend.graph_sequence_bound` sequences
-    a batch at most). MLA
-    mixers are not graphed: their document attention sizes Flash's varlen call from the batch
-    (data-dependent shapes, which torch 2.11's partitioned cudagraphs fail to record). The
-    training loop calls `torch.compiler.cudagraph_mark_step_begin()` before each step.
+    the host stops setting the step's pace. The KDA and MLA mixers switch to the static document
+    layout (ops/static_documents.py: fixed shapes, no host sync, graph_sequence_bound sequences
+    a batch at most) for fla's kernels and Flash's varlen attention. The training loop calls
+    `torch.compiler.cudagraph_mark_step_begin()` before each step.
     """
     check_pass_names(passes)
     if passes and backend != "inductor":
@@ -175,26 +173,25 @@ def apply_compile(
         )
     if cudagraphs and backend != "inductor":
         raise ValueError(f"compile.cudagraphs needs compile.backend = 'inductor', got {backend!r}")
-    # Built once: each region's compiled code is reused by every region of its class only for
-    # one and the same options (an equal-looking copy is another backend, hence a recompile).
-    options = inductor_options(passes)
-    graphed_options = options | {"triton.cudagraphs": True}
-
     if cudagraphs:
         for module in model.modules():
-            if isinstance(module, KimiDeltaAttention) and not has_context_parallel(module):
+            if has_context_parallel(module):
+                continue
+            if isinstance(module, KimiDeltaAttention):
                 module.sequence_recurrence = functools.partial(
                     type(module).sequence_recurrence, static_layout=True)
+            elif isinstance(module, GatedMLA):
+                module.attention = functools.partial(type(module).attention, static_layout=True)
+    options = inductor_options(passes) | ({"triton.cudagraphs": True} if cudagraphs else {})
+    compile_whole = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
+                                      options=options or None)
+    compile_pieces = functools.partial(compile_whole, fullgraph=False)
 
     def compile_fn(target):
-        module = getattr(target, "__self__", target)
         # A mixer under context parallelism breaks its graph around its eager collectives.
-        is_module = isinstance(module, nn.Module)
-        pieces = is_module and has_context_parallel(module)
-        graphed = cudagraphs and not (is_module and any(isinstance(m, GatedMLA)
-                                                        for m in module.modules()))
-        return torch.compile(target, backend=backend, fullgraph=fullgraph and not pieces,
-                             options=(graphed_options if graphed else options) or None)
+        module = getattr(target, "__self__", target)
+        pieces = isinstance(module, nn.Module) and has_context_parallel(module)
+        return (compile_pieces if pieces else compile_whole)(target)
 
     for layer_id, layer in model.layers.named_children():
         if whole_layers:

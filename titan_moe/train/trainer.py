@@ -55,8 +55,7 @@ from titan_moe.eval.multimodal import digit_accuracy
 from titan_moe.model.args import FLAVORS
 from titan_moe.model.flops import CountedTitanMoEArgs
 from titan_moe.model.model import TitanMoE
-from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
-from titan_moe.ops.kda.fla_backend import graph_sequence_bound
+from titan_moe.ops.static_documents import TOKENS_PER_SEQUENCE, graph_sequence_bound
 from titan_moe.parallel.context_parallel import shard_batch
 from titan_moe.parallel.parallelize import parallelize_titan_moe
 from titan_moe.parallel.pipeline_schedule import TokenMeanLoss, pipeline_titan_moe
@@ -355,15 +354,16 @@ class TitanMoETrainer(PlatformTrainer):
 
 def check_graph_sequences(doc_ids: torch.Tensor) -> None:
     """Refuse a batch with more sequences (row starts plus document starts) than the CUDA-graphed
-    KDA layout holds (compile.cudagraphs), naming its count and the bound."""
+    document layout holds (compile.cudagraphs), naming its count and the bound."""
     batch, seq_len = doc_ids.shape
     count = batch + int((doc_ids[:, 1:] != doc_ids[:, :-1]).sum())
     bound = graph_sequence_bound(batch, seq_len)
     if count > bound:
         raise ValueError(
-            f"the batch has {count} KDA sequences (rows + document starts) and compile.cudagraphs "
+            f"the batch has {count} sequences (rows + document starts) and compile.cudagraphs "
             f"holds {bound} at most ({batch} x {seq_len} tokens: one per row plus one per "
-            f"{KDA_CHUNK_SIZE} tokens); pack longer documents or set compile.cudagraphs = false")
+            f"{TOKENS_PER_SEQUENCE} tokens); pack longer documents or set "
+            "compile.cudagraphs = false")
 
 
 @record

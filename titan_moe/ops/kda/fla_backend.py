@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from titan_moe.ops.kda.intra_chunk import CHUNK
+from titan_moe.ops.static_documents import cu_seqlens_from_starts, sequence_starts
 
 FLA_INSTALL_HINT = "pip install fla-core==0.6.0 (or pip install -e '.[gpu]')"
 
@@ -94,45 +94,14 @@ def _allocate_fresh_graph_buffers() -> None:
         module.get_static_buffer = _fresh_buffer
 
 
-def _sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _sequences(doc: Tensor, static: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(cu_seqlens [N+1] int32 over the flattened rows, each row's first and last sequence,
-    each token's row within its chunk [B, T]: fla's chunks restart at every sequence start)."""
+    each token's row within its chunk [B, T]: fla's chunks restart at every sequence start).
+    static: cu_seqlens in fixed shapes without a host sync (ops/static_documents.py)."""
     batch, seq_len = doc.shape
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    first = starts.flatten().nonzero().flatten()
-    cu_seqlens = torch.cat([first, first.new_tensor([batch * seq_len])]).to(torch.int32)
+    starts = sequence_starts(doc)
+    cu_seqlens = cu_seqlens_from_starts(starts, static)
     seq_of_token = starts.flatten().cumsum(0) - 1
-    row_first = seq_of_token[torch.arange(batch, device=doc.device) * seq_len]
-    row_last = seq_of_token[torch.arange(1, batch + 1, device=doc.device) * seq_len - 1]
-    t = torch.arange(seq_len, device=doc.device)
-    seq_start = torch.cummax(torch.where(starts, t, 0), dim=1).values
-    return cu_seqlens, row_first, row_last, (t - seq_start) % CHUNK
-
-
-def graph_sequence_bound(batch: int, seq_len: int) -> int:
-    """How many sequences (row starts and document starts) the static layout holds: one per row
-    plus one per CHUNK tokens, i.e. documents at least CHUNK tokens long on average. fla's grids
-    are sized by it (a spare sequence is a few programs that return at once), so it stays near
-    the real count instead of one per token."""
-    return batch * (seq_len // CHUNK + 1)
-
-
-def _static_sequences(doc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`_sequences` with fixed shapes and no host sync, for CUDA graphs: cu_seqlens holds
-    graph_sequence_bound sequences, the ones past the real count empty (start = end = B*T), as
-    fla's use_graph mode takes them. A batch with more sequences than that stops at a
-    device-side assert (the trainer refuses such a batch on the host first, with its count)."""
-    batch, seq_len = doc.shape
-    bound = graph_sequence_bound(batch, seq_len)
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    flat = starts.flatten()
-    torch._assert_async(flat.sum() <= bound, "more KDA sequences than graph_sequence_bound")
-    first = torch.nonzero_static(flat, size=bound, fill_value=batch * seq_len).flatten()
-    # Padded on the device: a host tensor's copy is not allowed while a graph records.
-    cu_seqlens = F.pad(first, (0, 1), value=batch * seq_len).to(torch.int32)
-    seq_of_token = flat.cumsum(0) - 1
     row_first = seq_of_token[torch.arange(batch, device=doc.device) * seq_len]
     row_last = seq_of_token[torch.arange(1, batch + 1, device=doc.device) * seq_len - 1]
     t = torch.arange(seq_len, device=doc.device)
@@ -178,7 +147,7 @@ def _flat(x: Tensor | None, varlen: bool) -> Tensor | None:
 def _layout(doc: Tensor | None, static: bool) -> tuple[Tensor | None, ...]:
     if doc is None:
         return None, None, None, None
-    return _static_sequences(doc) if static else document_sequences(doc)
+    return _sequences(doc, static=True) if static else document_sequences(doc)
 
 
 def _varlen_args(cu_seqlens: Tensor | None, static: bool, total: int) -> dict:
@@ -228,7 +197,7 @@ def fla_kda_fwd(
     empty: the gate's chunk cumsum, kept for the backward when the gate is precomputed).
 
     static_layout: the documents' layout in fixed shapes without a host sync, so a CUDA graph
-    can replay the call for any documents (see _static_sequences); otherwise the exact layout,
+    can replay the call for any documents (see _sequences); otherwise the exact layout,
     read on the host once a step (document_sequences)."""
     fwd, _ = _require_fla()
     varlen = doc is not None
