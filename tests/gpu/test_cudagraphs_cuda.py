@@ -84,18 +84,17 @@ def train(model: TitanMoE, batches, graphed: bool) -> list[float]:
     return losses
 
 
-def test_cudagraphed_debug_model_trains_like_compiled_with_moving_documents():
+def test_cudagraphed_debug_model_trains_like_eager_with_moving_documents():
     """Six AdamW steps, documents changing every step: the graphed model's losses follow the
-    compiled (not graphed) model's, no region is skipped, and the step launches CUDA graphs."""
+    eager model's (exact layouts, host-read), no region is skipped, and the step launches CUDA
+    graphs. (Eager, not compiled, is the reference: one compile of the model instead of two.)"""
     torch.manual_seed(0)
     model = TitanMoE(get_flavor("debug")).cuda()
     model.init_weights()
     graphed = copy.deepcopy(model)
     batches = text_batches(model.args.vocab_size, 6)
-    torch._dynamo.reset()
-    apply_compile(model, "inductor", set())
     want = train(model, batches, graphed=False)
-    torch._dynamo.reset()  # the same sublayer classes again, with other options
+    torch._dynamo.reset()
     counters["inductor"].clear()
     apply_compile(graphed, "inductor", set(), cudagraphs=True)
     got = train(graphed, batches, graphed=True)
