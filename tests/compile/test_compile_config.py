@@ -173,7 +173,10 @@ def test_cudagraphs_graph_every_region_and_give_the_mixers_the_static_layout(tmp
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     parallelize_titan_moe(model, dims, config)
     graphed = {name: options == {"triton.cudagraphs": True} for name, options in seen}
+    # "function": the residual add, compiled once and given to every layer.
     assert graphed == {"AttnResSite": True, "RMSNorm": True, "KimiDeltaAttention": True,
-                       "GatedMLA": True, "SiTUGLU": True, "LatentMoE": True}, seen
+                       "GatedMLA": True, "SiTUGLU": True, "LatentMoE": True, "Embedding": True,
+                       "function": True}, seen
     assert model.layers["0"].mixer.sequence_recurrence.keywords == {"static_layout": True}
     assert model.layers["1"].mixer.attention.keywords == {"static_layout": True}
+    assert model.layers["0"].residual_add is model.layers["1"].residual_add is not torch.add

@@ -32,6 +32,11 @@ from titan_moe.model.vision import VisionTower, merged_valid, scatter_image_embe
 
 
 class DecoderLayer(nn.Module):
+    # The residual adds between the sublayers. Compiling with CUDA graphs
+    # (parallel/parallelize.py) replaces it per layer with a graphed add: the sum then lives in
+    # the graphs' memory, where the next sublayer's graph reads it without copying it in.
+    residual_add = staticmethod(torch.add)
+
     def __init__(self, layer_id: int, args: TitanMoEArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -72,9 +77,9 @@ class DecoderLayer(nn.Module):
             blocks = blocks + [partial]
             partial = a
         else:
-            partial = partial + a
+            partial = self.residual_add(partial, a)
         x = self.ffn_site(blocks + [partial])
-        partial = partial + self.ffn(self.ffn_norm(x))
+        partial = self.residual_add(partial, self.ffn(self.ffn_norm(x)))
         return blocks, partial
 
     def init_weights(self) -> None:

@@ -193,6 +193,17 @@ def apply_compile(
         pieces = isinstance(module, nn.Module) and has_context_parallel(module)
         return (compile_pieces if pieces else compile_whole)(target)
 
+    if cudagraphs and not whole_layers:
+        # Eager glue's outputs would be copied into every graph that reads them: the residual
+        # sums (a block is read by every later AttnRes site) and the embedding.
+        residual_add = compile_whole(_residual_add)
+        for layer in model.layers.values():
+            inner = (layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper)
+                     else layer)
+            inner.residual_add = residual_add
+        embedding = getattr(model, "tok_embeddings", None)
+        if embedding is not None and embedding not in units:
+            model.tok_embeddings = compile_fn(embedding)
     for layer_id, layer in model.layers.named_children():
         if whole_layers:
             model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
@@ -209,6 +220,10 @@ def apply_compile(
     n_layers = len(model.layers)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                n_layers + 2)
+
+
+def _residual_add(partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    return partial + update
 
 
 def _compile_around(
