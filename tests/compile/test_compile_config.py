@@ -145,12 +145,15 @@ def test_passes_off_compile_without_our_post_pass(tmp_path, monkeypatch):
     assert counts == dict.fromkeys(PASS_NAMES, 0), counts
 
 
-def test_cudagraphs_are_off_by_default_and_refused_with_context_parallelism(tmp_path):
+def test_cudagraphs_are_off_by_default_and_refused_with_cp_and_checkpointing(tmp_path):
     assert parse_job_config([]).compile.cudagraphs is False
-    assert _config(tmp_path, "cudagraphs = true").compile.cudagraphs is True
+    no_ac = ("--activation_checkpoint.mode", "none")
+    assert _config(tmp_path, "cudagraphs = true", no_ac).compile.cudagraphs is True
     message = _error(tmp_path, "cudagraphs = true",
-                     ("--parallelism.context_parallel_degree", "2"))
+                     ("--parallelism.context_parallel_degree", "2", *no_ac))
     assert "compile.cudagraphs with parallelism.context_parallel_degree > 1" in message
+    message = _error(tmp_path, "cudagraphs = true", ("--activation_checkpoint.mode", "full"))
+    assert "compile.cudagraphs with activation_checkpoint.mode = 'full' is not supported" in message
 
 
 def test_cudagraphs_graph_every_region_and_give_the_mixers_the_static_layout(tmp_path,
@@ -166,7 +169,8 @@ def test_cudagraphs_graph_every_region_and_give_the_mixers_the_static_layout(tmp
 
     monkeypatch.setattr(torch, "compile", record)
     config = _config(tmp_path, "cudagraphs = true\npasses = []",
-                     ("--titan_moe.n_layers", "2", "--titan_moe.mla_layers", "2"))
+                     ("--titan_moe.n_layers", "2", "--titan_moe.mla_layers", "2",
+                      "--activation_checkpoint.mode", "none"))
     args = get_flavor(config.model.flavor)
     args.update_from_config(config)
     model = TitanMoE(args)

@@ -351,6 +351,11 @@ def _check_compile(job_config: Any) -> None:
             raise ConfigError("compile.cudagraphs with parallelism.context_parallel_degree > 1 "
                               "is not supported (the KDA state exchange runs eagerly); set "
                               "compile.cudagraphs = false")
+        if job_config.activation_checkpoint.mode != "none":
+            # Recomputation would replay forward graphs inside the backward: untested.
+            raise ConfigError("compile.cudagraphs with activation_checkpoint.mode = "
+                              f"{job_config.activation_checkpoint.mode!r} is not supported; "
+                              "allowed: 'none' (or set compile.cudagraphs = false)")
 
 
 # -------------------------------------------------------------------------------------------------
