@@ -25,48 +25,18 @@ read + write; ~4.0 TB/s on the H200). Prints a table, writes JSON (--out).
 """
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from report import write_json
+from timing import copy_bandwidth, event_timed
 
 from compile_passes.registry import inductor_options
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.ops.attn_res import attn_res_mix_naive, attn_res_mix_triton
 
 EPS = 1e-6
-
-
-def event_timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() over iters calls after warmup calls: CUDA events around each
-    call on CUDA (device time, launch gaps included), wall time elsewhere."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(samples)
-
-
-def copy_bandwidth(device: str) -> float:
-    """GB/s of a large device-to-device copy (bytes read + written): the measured roofline."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = event_timed(lambda: dst.copy_(src), device, 3, 10)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def site_bytes(rows: int, dim: int, dtypes: list[torch.dtype], backward: bool) -> float:

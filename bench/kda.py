@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 from report import environment
-from timing import timed
+from timing import copy_bandwidth, timed
 
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import get_flavor
@@ -45,14 +45,6 @@ def compulsory_bytes(b: int, t: int, h: int, d: int, backward: bool) -> float:
     """bf16 q, k, v, g (+ beta) read and o written; backward adds dO read, 5 gradients written."""
     tensors = (4 + 1) + (1 + 4) if backward else 4 + 1
     return 2.0 * b * t * h * (tensors * d + (2 if backward else 1))
-
-
-def copy_bandwidth(device: str) -> float:
-    """GB/s of a large device-to-device copy: the memory roofline as measured, not as quoted."""
-    src = torch.empty(2**28, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), device, 3, 10)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def documents(b: int, t: int, doc_len: int, device: str) -> torch.Tensor | None:

@@ -17,7 +17,9 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
@@ -32,9 +34,9 @@ TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
 
-def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.dtype,
-                    docs: bool, fused: bool) -> list[tuple]:
-    """(kernel, positional args, keyword args) of every launch of one forward and backward."""
+def recorded_launches(ops_module: ModuleType, run: Callable[[], object]) -> list[tuple]:
+    """(kernel, positional args, keyword args) of every launch run() makes through
+    ops_module.wrap_triton, recorded instead of launched (CPU tensors will do)."""
     launches = []
 
     class Recorder:
@@ -44,20 +46,30 @@ def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.d
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
+    original = ops_module.wrap_triton
+    ops_module.wrap_triton = Recorder
+    try:
+        run()
+    finally:
+        ops_module.wrap_triton = original
+    return launches
+
+
+def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.dtype,
+                    docs: bool, fused: bool) -> list[tuple]:
+    """(kernel, positional args, keyword args) of every launch of one forward and backward."""
     shape = (batch, seq_len, heads, d)
     q, k, v, g = (torch.zeros(shape, dtype=dtype) for _ in range(4))
     beta = torch.zeros(shape[:3], dtype=dtype)
     doc = torch.zeros(shape[:2], dtype=torch.int32) if docs else None
     A_log, dt_bias = (torch.zeros(heads), torch.zeros(heads * d)) if fused else (None, None)
-    original = chunk_triton.wrap_triton
-    chunk_triton.wrap_triton = Recorder
-    try:
-        common = (q, k, v, g, beta, doc, A_log, dt_bias, None)
+    common = (q, k, v, g, beta, doc, A_log, dt_bias, None)
+
+    def run():
         chunk_triton.chunk_kda_fwd._init_fn(*common, d**-0.5, -5.0, False)
         chunk_triton.chunk_kda_bwd._init_fn(*common, torch.zeros_like(v), None, d**-0.5, -5.0)
-    finally:
-        chunk_triton.wrap_triton = original
-    return launches
+
+    return recorded_launches(chunk_triton, run)
 
 
 def source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:

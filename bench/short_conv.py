@@ -30,18 +30,10 @@ from collections.abc import Callable
 import torch
 import triton
 from report import environment
-from timing import timed
+from timing import copy_bandwidth, timed
 
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.ops.short_conv import short_conv, short_conv_naive
-
-
-def copy_bandwidth(device: str) -> float:
-    """GB/s of a large device-to-device copy: the memory roofline as measured, not as quoted."""
-    src = torch.empty(2**28 if device == "cuda" else 2**22, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), device, 3, 10)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def compulsory_bytes(batch: int, seq_len: int, channels: int, taps: int, elem: int,
@@ -95,29 +87,19 @@ def bench(impl, shape, head_dim, doc_len, device, dtype, warmup, iters, bandwidt
 
 def compile_times(shape, head_dim: int, doc_len: int, arch: int) -> list[dict]:
     """Seconds to compile each kernel of one forward and backward for sm_<arch>, cold."""
-    from kda_compile import source
+    from kda_compile import recorded_launches, source
     from triton.backends.compiler import GPUTarget
 
     kernels = sys.modules["titan_moe.ops.short_conv.short_conv_triton"]
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
     batch, seq_len, channels, taps = shape
     x, weight, dy, doc = inputs(batch, min(seq_len, 256), channels, taps, min(doc_len, 100),
                                 "cpu", torch.bfloat16)
-    original = kernels.wrap_triton
-    kernels.wrap_triton = Recorder
-    try:
+
+    def run():
         kernels.short_conv_triton._init_fn(x.detach(), weight.detach(), doc, head_dim)
         kernels.short_conv_bwd_triton._init_fn(dy, x.detach(), weight.detach(), doc, head_dim)
-    finally:
-        kernels.wrap_triton = original
+
+    launches = recorded_launches(kernels, run)
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         triton.knobs.cache.dir = cache

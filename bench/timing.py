@@ -1,4 +1,5 @@
-"""Median wall time of a callable, synchronising CUDA around each sample."""
+"""Timing on the GPU machine: medians of a callable (wall time with syncs, or CUDA events), the
+copy roofline, the host's issue time and a step's device profile by kernel class."""
 
 import gzip
 import shutil
@@ -24,6 +25,36 @@ def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> flo
         sync()
         samples.append(1e3 * (time.perf_counter() - start))
     return statistics.median(samples)
+
+
+def event_timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn() over iters calls after warmup calls: CUDA events around each
+    call on CUDA (device time, launch gaps included), wall time elsewhere."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append(1e3 * (time.perf_counter() - begin))
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: str) -> float:
+    """GB/s of a large device-to-device copy (bytes read + written): the memory roofline as
+    measured, not as quoted."""
+    src = torch.empty(2**28 if device == "cuda" else 2**22, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = event_timed(lambda: dst.copy_(src), device, 3, 10)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def host_issue_ms(fn: Callable[[], object], device: str, iters: int) -> float:

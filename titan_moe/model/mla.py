@@ -154,20 +154,27 @@ class GatedMLA(nn.Module):
     def _forward_absorbed(
         self, x: torch.Tensor, cache: MLACache, valid: torch.Tensor | None
     ) -> torch.Tensor:
-        b, t, _ = x.shape
-        h = self.n_heads
-        if valid is None:
-            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
-        q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        c_kv, k_rope = self.w_kva(x).split([self.kv_lora, self.rope], dim=-1)
-        new_kv = torch.cat([self.kv_norm(c_kv), k_rope], -1)
-        cache.append(torch.where(valid.unsqueeze(-1), new_kv, 0.0), valid)
+        q_nope, q_rope, new_kv, valid = self._decode_inputs(x, valid)
+        cache.append(new_kv, valid)
         kv_slots, valid_slots = cache.filled()
         w_uk, w_uv = self._absorbed_weights()
         query = self._absorbed_query(q_nope, q_rope, w_uk)
-        o = self._attend_masked(query, kv_slots, valid_slots, t)
+        o = self._attend_masked(query, kv_slots, valid_slots, x.shape[1])
         return self._absorbed_out(x, o, w_uv)
+
+    def _decode_inputs(
+        self, x: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope, q_rope, the call's cache entries [kv_norm(c_kv) | k_rope] zeroed at padding,
+        valid [B, T], all True when None) of a decoding call."""
+        b, t, _ = x.shape
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.w_kva(x).split([self.kv_lora, self.rope], dim=-1)
+        new_kv = torch.where(valid.unsqueeze(-1), torch.cat([self.kv_norm(c_kv), k_rope], -1), 0.0)
+        return q_nope, q_rope, new_kv, valid
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.n_heads
@@ -204,17 +211,10 @@ class GatedMLA(nn.Module):
     def _forward_static(
         self, x: torch.Tensor, cache: StaticMLACache, valid: torch.Tensor | None
     ) -> torch.Tensor:
-        b, t, _ = x.shape
-        h = self.n_heads
-        if valid is None:
-            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
-        q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        c_kv, k_rope = self.w_kva(x).split([self.kv_lora, self.rope], dim=-1)
-        new_kv = torch.where(valid.unsqueeze(-1), torch.cat([self.kv_norm(c_kv), k_rope], -1), 0.0)
+        q_nope, q_rope, new_kv, valid = self._decode_inputs(x, valid)
         w_uk, w_uv = self._absorbed_weights()
         query = self._absorbed_query(q_nope, q_rope, w_uk)
-        if t == 1:
+        if x.shape[1] == 1:
             o = self._decode_step_attention(query, new_kv, valid, cache)
         else:
             o = self._prefill_attention(query, new_kv, valid, cache)

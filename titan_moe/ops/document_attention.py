@@ -69,21 +69,15 @@ def varlen_document_attention(
     alignment is the right one. v is zero-padded to the q/k head dim (Flash needs one head
     dim). Host syncs for the sequence lengths: eager only.
     """
-    from torch.nn.attention.varlen import varlen_attn
-
-    batch, length, heads, dim = q.shape
-    dv = v.shape[-1]
+    batch = q.shape[0]
     row = torch.arange(batch, device=q.device)[:, None] * (int(kv_doc.max()) + 1)
     keep = kv_doc >= q_doc[:, :1]
     _, q_counts = torch.unique_consecutive((row + q_doc).flatten(), return_counts=True)
     _, k_counts = torch.unique_consecutive((row + kv_doc)[keep], return_counts=True)
     cu_q = F.pad(q_counts.cumsum(0), (1, 0)).to(torch.int32)
     cu_k = F.pad(k_counts.cumsum(0), (1, 0)).to(torch.int32)
-    v_padded = F.pad(v[keep], (0, dim - dv))
-    causal = _VARLEN_CAUSAL or {"window_size": (-1, 0)}
-    o = varlen_attn(q.reshape(batch * length, heads, dim) * (scale * dim**0.5), k[keep],
-                    v_padded, cu_q, cu_k, int(q_counts.max()), int(k_counts.max()), **causal)
-    return o[..., :dv].reshape(batch, length, heads, dv)
+    return _flash_varlen(q, k[keep], v[keep], cu_q, cu_k, int(q_counts.max()),
+                         int(k_counts.max()), scale)
 
 
 def static_varlen_document_attention(
@@ -92,16 +86,24 @@ def static_varlen_document_attention(
     """varlen_document_attention for queries and keys of the same positions (training), in
     fixed shapes: cu_seqlens padded with empty sequences to graph_sequence_bound and every
     sequence's length bounded by the row's, so a CUDA graph replays it for any documents."""
+    length = q.shape[1]
+    cu = cu_seqlens_from_starts(sequence_starts(doc), static=True)
+    return _flash_varlen(q, k.flatten(0, 1), v.flatten(0, 1), cu, cu, length, length, scale)
+
+
+def _flash_varlen(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_q: torch.Tensor,
+    cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+) -> torch.Tensor:
+    """q [B, L, H, D] against the key rows k_rows [N, H, D], v_rows [N, H, Dv] of the sequences
+    cu_q / cu_k, causal within each: [B, L, H, Dv]. v is zero-padded to D for Flash."""
     from torch.nn.attention.varlen import varlen_attn
 
     batch, length, heads, dim = q.shape
-    dv = v.shape[-1]
-    cu = cu_seqlens_from_starts(sequence_starts(doc), static=True)
-    rows = batch * length
+    dv = v_rows.shape[-1]
     causal = _VARLEN_CAUSAL or {"window_size": (-1, 0)}
-    o = varlen_attn(q.reshape(rows, heads, dim) * (scale * dim**0.5), k.reshape(rows, heads, dim),
-                    F.pad(v, (0, dim - dv)).reshape(rows, heads, dim), cu, cu, length, length,
-                    **causal)
+    o = varlen_attn(q.reshape(batch * length, heads, dim) * (scale * dim**0.5), k_rows,
+                    F.pad(v_rows, (0, dim - dv)), cu_q, cu_k, max_q, max_k, **causal)
     return o[..., :dv].reshape(batch, length, heads, dv)
 
 

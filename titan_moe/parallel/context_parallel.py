@@ -37,8 +37,7 @@ scan above carries across slabs. The loss is each rank's slab sum over the globa
 which the trainer counts on the whole rows, so the ranks' losses add up to the global mean.
 """
 
-import functools
-from functools import partial
+from functools import partial, wraps
 
 import torch
 import torch.distributed as dist
@@ -93,7 +92,7 @@ def _eager(step):
     own, not views: the compiled code after the break rebuilds a view input from its base, which
     fails for the gathered latents' view at batch 1 (a reshape of a transpose)."""
 
-    @functools.wraps(step)
+    @wraps(step)
     def call(*args, **kwargs):
         out = step(*args, **kwargs)
         return tuple(map(_own, out)) if isinstance(out, tuple) else _own(out)

@@ -175,12 +175,13 @@ def apply_compile(
         raise ValueError(f"compile.cudagraphs needs compile.backend = 'inductor', got {backend!r}")
     if cudagraphs:
         for module in model.modules():
-            if has_context_parallel(module):
+            mixer = isinstance(module, (KimiDeltaAttention, GatedMLA))
+            if not mixer or has_context_parallel(module):
                 continue
             if isinstance(module, KimiDeltaAttention):
                 module.sequence_recurrence = functools.partial(
                     type(module).sequence_recurrence, static_layout=True)
-            elif isinstance(module, GatedMLA):
+            else:
                 module.attention = functools.partial(type(module).attention, static_layout=True)
     options = inductor_options(passes) | ({"triton.cudagraphs": True} if cudagraphs else {})
     compile_whole = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,

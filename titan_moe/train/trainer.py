@@ -55,7 +55,11 @@ from titan_moe.eval.multimodal import digit_accuracy
 from titan_moe.model.args import FLAVORS
 from titan_moe.model.flops import CountedTitanMoEArgs
 from titan_moe.model.model import TitanMoE
-from titan_moe.ops.static_documents import TOKENS_PER_SEQUENCE, graph_sequence_bound
+from titan_moe.ops.static_documents import (
+    TOKENS_PER_SEQUENCE,
+    graph_sequence_bound,
+    sequence_starts,
+)
 from titan_moe.parallel.context_parallel import shard_batch
 from titan_moe.parallel.parallelize import parallelize_titan_moe
 from titan_moe.parallel.pipeline_schedule import TokenMeanLoss, pipeline_titan_moe
@@ -362,7 +366,7 @@ def check_graph_sequences(doc_ids: torch.Tensor) -> None:
     """Refuse a batch with more sequences (row starts plus document starts) than the CUDA-graphed
     document layout holds (compile.cudagraphs), naming its count and the bound."""
     batch, seq_len = doc_ids.shape
-    count = batch + int((doc_ids[:, 1:] != doc_ids[:, :-1]).sum())
+    count = int(sequence_starts(doc_ids).sum())
     bound = graph_sequence_bound(batch, seq_len)
     if count > bound:
         raise ValueError(

@@ -19,6 +19,7 @@ configs it chose on a GPU model (`scripts/tune_fla_kda.py`) are kept in `fla_con
 and handed to fla's own config cache, so a run on that GPU starts without autotuning.
 """
 
+import functools
 import importlib.util
 import os
 import re
@@ -65,7 +66,10 @@ def use_tuned_fla_configs() -> None:
         os.environ["FLA_CONFIG_DIR"] = str(configs)
 
 
+@functools.cache
 def _require_fla():
+    """fla's entry points, its config and buffer setup done at the first call only (every KDA
+    call of a step comes through here)."""
     if not FLA_INSTALLED:
         raise ModuleNotFoundError(f"the fla KDA backend needs fla-core: {FLA_INSTALL_HINT}")
     use_tuned_fla_configs()
