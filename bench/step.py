@@ -27,6 +27,7 @@ writes JSON (--out).
 import argparse
 import contextlib
 import dataclasses
+import gc
 import sys
 import time
 from pathlib import Path
@@ -208,6 +209,13 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     }
 
 
+def oom_row(opts, inputs: str, mode: str, device: str, error: Exception) -> dict:
+    """The row of a mode that ran out of device memory: no timings, the error's first line."""
+    return {"inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
+            "batch": opts.batch, "seq_len": opts.seq_len, "ms": None,
+            "out_of_memory": str(error).splitlines()[0], "passes_matched": {}, "profile": {}}
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     device = "cpu" if opts.smoke or not torch.cuda.is_available() else "cuda"
@@ -216,27 +224,41 @@ def main(argv: list[str] | None = None) -> int:
         for mode in opts.modes:
             if mode == ANCHOR and inputs != "text":
                 continue  # a text-only model
-            with anchor_deepseek.row_scope(device) if mode == ANCHOR else contextlib.nullcontext():
-                rows.append(bench_one(opts, inputs, mode, device))
+            try:
+                with (anchor_deepseek.row_scope(device) if mode == ANCHOR
+                      else contextlib.nullcontext()):
+                    rows.append(bench_one(opts, inputs, mode, device))
+            except torch.OutOfMemoryError as error:
+                # One row past the device's memory (eager at a large batch) is a result: the
+                # table says so and the rows after it still run.
+                rows.append(oom_row(opts, inputs, mode, device, error))
+                gc.collect()
             r = rows[-1]
-            skips = r["cudagraph_skips"]
-            skips = "" if skips is None else f", cudagraph skips {skips}"
-            print(f"done: {inputs} {mode} {r['ms']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
-                  f"{r['tflops']:.1f} TFLOPS, first step {r['first_step_s']:.0f} s{skips}",
-                  flush=True)
+            if r["ms"] is None:
+                print(f"done: {inputs} {mode} out of memory at batch {opts.batch}", flush=True)
+            else:
+                skips = r["cudagraph_skips"]
+                skips = "" if skips is None else f", cudagraph skips {skips}"
+                print(f"done: {inputs} {mode} {r['ms']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
+                      f"{r['tflops']:.1f} TFLOPS, first step {r['first_step_s']:.0f} s{skips}",
+                      flush=True)
             write_json(opts.out, opts, rows)  # a row kept even if a later row is cut short
             if device == "cuda":
                 torch.cuda.empty_cache()  # the row's model and optimizer are gone: free them
-    eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager"}
+    eager_ms = {r["inputs"]: r["ms"] for r in rows if r["mode"] == "eager" and r["ms"]}
     for r in rows:
-        r["speedup_vs_eager"] = eager_ms[r["inputs"]] / r["ms"] if r["inputs"] in eager_ms else None
-    print(f"{'inputs':<11} {'mode':<16} {'ms':>9} {'host ms':>8} {'tok/s':>10} {'patch/s':>10} "
+        r["speedup_vs_eager"] = (eager_ms[r["inputs"]] / r["ms"]
+                                 if r["inputs"] in eager_ms and r["ms"] else None)
+    print(f"{'inputs':<11} {'mode':<20} {'ms':>9} {'host ms':>8} {'tok/s':>10} {'patch/s':>10} "
           f"{'TFLOPS':>8} {'MFU%':>6} {'x eager':>7} {'GiB':>6}")
     for r in rows:
+        if r["ms"] is None:
+            print(f"{r['inputs']:<11} {r['mode']:<20} out of memory")
+            continue
         mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
         speedup = f"{r['speedup_vs_eager']:7.2f}" if r["speedup_vs_eager"] else "      -"
         mem = f"{r['peak_mem_gib']:6.1f}" if r["peak_mem_gib"] is not None else "     -"
-        print(f"{r['inputs']:<11} {r['mode']:<16} {r['ms']:9.1f} {r['host_ms']:8.1f} "
+        print(f"{r['inputs']:<11} {r['mode']:<20} {r['ms']:9.1f} {r['host_ms']:8.1f} "
               f"{r['tokens_per_s']:10.0f} {r['patches_per_s']:10.0f} {r['tflops']:8.3f} {mfu} "
               f"{speedup} {mem}")
     for r in rows:
