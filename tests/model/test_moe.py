@@ -151,7 +151,8 @@ def test_dispatch_layout_groups_pairs_in_aligned_blocks(align: int):
     n_experts = 6
     pair_expert = torch.randint(n_experts, (41,), generator=gen)
     pair_expert[pair_expert == 2] = 3  # an empty group
-    dest, offs, n_rows = dispatch_layout(pair_expert, n_experts, align)
+    dest, src, offs = dispatch_layout(pair_expert, n_experts, align)
+    n_rows = src.numel()
     assert offs.dtype == torch.int32 and n_rows % align == 0
     assert n_rows == -(-(41 + n_experts * (align - 1)) // align) * align  # the static bound
     assert len(set(dest.tolist())) == 41 and dest.max().item() < offs[-1].item() <= n_rows
@@ -161,6 +162,11 @@ def test_dispatch_layout_groups_pairs_in_aligned_blocks(align: int):
         assert start % align == 0 and end - start == -(-len(mine) // align) * align
         # The group's first rows hold its pairs, in pair order; the rest is padding.
         assert dest[mine].tolist() == list(range(start, start + len(mine)))
+    # src inverts dest: each pair's row names the pair; every other row names none.
+    want_src = [-1] * n_rows
+    for pair, row in enumerate(dest.tolist()):
+        want_src[row] = pair
+    assert src.tolist() == want_src
 
 
 def test_valid_mask_does_not_change_output():

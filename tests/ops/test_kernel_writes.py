@@ -116,3 +116,18 @@ def test_mla_decode_kernel_writes_only_its_outputs():
                                                 torch.ones(2, 64, dtype=torch.bool),
                                                 torch.zeros(2, dtype=torch.int64), 0.1, 64))
     assert got == {"mla_decode_split_kernel": {"m_ptr", "l_ptr", "acc_ptr"}}
+
+
+def test_moe_dispatch_kernels_write_only_their_outputs():
+    dest = torch.arange(64)
+    src = torch.cat([dest, torch.full((16,), -1)])
+    weights = torch.rand(16, 4)
+
+    def run(m):
+        m.moe_dispatch_triton(torch.randn(16, 256), dest, src, 4)
+        m.moe_combine_triton(torch.randn(80, 256), dest, src, weights)
+        m.moe_combine_bwd_triton(torch.randn(16, 256), torch.randn(80, 256), src, weights)
+
+    got = written("titan_moe.ops.moe_dispatch.moe_dispatch_triton", run)
+    assert got == {"scatter_rows_kernel": {"out_ptr"}, "gather_sum_rows_kernel": {"out_ptr"},
+                   "combine_bwd_kernel": {"drows_ptr", "dw_ptr"}}

@@ -10,8 +10,9 @@ groups, each padded with zero rows to a multiple of `group_align` (the grouped G
 8 rows for bf16, 16 for float8). Every group may need up to align - 1 padding rows, so the
 buffer has the static size round_up(N·k + E·(align - 1), align) and rows past the last group's
 end are left over. The experts run as grouped GEMMs over the groups; the results are gathered
-back to (token, slot) order and summed with the combine weights. Every shape is static and
-nothing syncs with the host, so torch.compile(fullgraph=True) traces the layer.
+back to (token, slot) order and summed with the combine weights. The copy in and the weighted
+gather out are `titan_moe.ops.moe_dispatch` (Triton on CUDA). Every shape is static and nothing
+syncs with the host, so torch.compile(fullgraph=True) traces the layer.
 """
 
 import torch
@@ -20,8 +21,8 @@ from torch import nn
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.router import Router
 from titan_moe.model.situ_glu import SiTUGLU, situ_glu
-from titan_moe.ops.gather_rows import gather_distinct_rows
 from titan_moe.ops.grouped_mm import grouped_mm
+from titan_moe.ops.moe_dispatch import moe_combine, moe_dispatch
 
 
 class GroupedExperts(nn.Module):
@@ -60,11 +61,12 @@ def _round_up(n: int, multiple: int) -> int:
 
 def dispatch_layout(
     pair_expert: torch.Tensor, n_experts: int, align: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each (token, slot) pair goes in the expert-grouped, padded buffer.
 
-    pair_expert [P] int64 expert of each pair -> (dest [P] int64 row of each pair, offs [E] int32
-    padded group ends, n_rows static buffer size). Pairs keep their order inside a group.
+    pair_expert [P] int64 expert of each pair -> (dest [P] int64 row of each pair, src [n_rows]
+    int64 the pair of each row (-1 where none: padding and the tail), offs [E] int32 padded
+    group ends). n_rows is the static buffer size. Pairs keep their order inside a group.
     """
     n_pairs = pair_expert.numel()
     n_rows = _round_up(n_pairs + n_experts * (align - 1), align)
@@ -78,7 +80,8 @@ def dispatch_layout(
     shift = (padded_ends - padded_counts) - (ends - counts)
     dest_sorted = torch.arange(n_pairs, device=pair_expert.device) + shift[sorted_expert]
     dest = torch.empty_like(order).scatter_(0, order, dest_sorted)
-    return dest, padded_ends.to(torch.int32), n_rows
+    src = torch.full((n_rows,), -1, dtype=order.dtype, device=order.device)
+    return dest, src.scatter_(0, dest_sorted, order), padded_ends.to(torch.int32)
 
 
 class LatentMoE(nn.Module):
@@ -124,18 +127,9 @@ class LatentMoE(nn.Module):
         expert_ids, weights = self.router(x_flat, None if valid is None else valid.reshape(-1))
         z = self.w_down(x_flat)
 
-        dest, offs, n_rows = dispatch_layout(
-            expert_ids.reshape(-1), self.n_experts, self.group_align
-        )
-        # Each pair gets its own row of z before the copy, so the backward of the copy (a gather)
-        # reads every row once and the k copies of a token reduce deterministically.
-        z_pairs = z.unsqueeze(1).expand(n_tokens, k, z.shape[-1]).reshape(n_tokens * k, -1)
-        z_grouped = z.new_zeros(n_rows, z.shape[-1]).index_copy(0, dest, z_pairs)
-        expert_out = self.experts(z_grouped, offs)
-        # Only the pairs' rows are read back: padding and leftover rows get no gradient. Every
-        # pair has its own row, so the backward scatters without atomics.
-        pair_out = gather_distinct_rows(expert_out, dest).view(n_tokens, k, -1)
-        u = (pair_out.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
+        dest, src, offs = dispatch_layout(expert_ids.reshape(-1), self.n_experts, self.group_align)
+        expert_out = self.experts(moe_dispatch(z, dest, src, k), offs)
+        u = moe_combine(expert_out, dest, src, weights)
         y = self.w_up(self.norm(u.to(x.dtype)))
         if self.shared is not None:
             y = y + self.shared(x_flat)

@@ -1,0 +1,127 @@
+"""The MoE dispatch and combine Triton ops on CUDA (`pytest -m gpu`): against the float64
+reference at the proxy's shape (8192 tokens, top-8 of 64 experts, latent width 1024, groups
+aligned to 8), forward and backward; opcheck with fake tensors; the LatentMoE layer with the
+ops against the layer with the reference path, eager and under torch.compile(fullgraph=True).
+
+Errors are relative RMS, ||got − want|| / ||want||. grouped is a copy: bit for bit. u and
+dweights are fp32 sums: FP32_RTOL. dz and dexpert_out in bf16 are rounded once (round to
+nearest: ≈ 1.6e-3), bound BF16_RTOL. The layer in bf16 autocast: LAYER_RTOL, the bound the KDA
+and short-conv suites use for a bf16 layer (the two paths differ only in fp32 summation order,
+then every later bf16 rounding may go the other way).
+"""
+
+import pytest
+import torch
+
+import titan_moe.model.moe as moe_module
+from titan_moe.model.args import get_flavor
+from titan_moe.model.moe import LatentMoE, dispatch_layout
+from titan_moe.ops.moe_dispatch import (
+    moe_combine,
+    moe_combine_naive,
+    moe_combine_triton,
+    moe_dispatch,
+    moe_dispatch_naive,
+    moe_dispatch_triton,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+FP32_RTOL = 1e-5
+BF16_RTOL = 4e-3
+LAYER_RTOL = 2e-2
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-300))
+
+
+def proxy_inputs(n_tokens=8192, top_k=8, n_experts=64, width=1024, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(n_tokens, n_experts, device="cuda", generator=gen)
+    experts = scores.topk(top_k).indices
+    dest, src, _ = dispatch_layout(experts.reshape(-1), n_experts, 8)
+    n_rows = src.numel()
+    z = torch.randn(n_tokens, width, device="cuda", generator=gen).bfloat16()
+    expert_out = torch.randn(n_rows, width, device="cuda", generator=gen).bfloat16()
+    expert_out[src < 0] = float("nan")  # what the grouped GEMM may leave there
+    weights = torch.rand(n_tokens, top_k, device="cuda", generator=gen)
+    du = torch.randn(n_tokens, width, device="cuda", generator=gen)
+    dgrouped = torch.randn(n_rows, width, device="cuda", generator=gen).bfloat16()
+    return z, expert_out, weights, dest, src, du, dgrouped
+
+
+def test_ops_match_float64_reference_at_proxy_shape():
+    z, expert_out, weights, dest, src, du, dgrouped = proxy_inputs()
+    top_k = weights.shape[1]
+    z64 = z.double().requires_grad_()
+    want_grouped = moe_dispatch_naive(z64, dest, src.numel(), top_k)
+    (want_dz,) = torch.autograd.grad(want_grouped, z64, dgrouped.double())
+    zt = z.clone().requires_grad_()
+    grouped = moe_dispatch(zt, dest, src, top_k)
+    (dz,) = torch.autograd.grad(grouped, zt, dgrouped)
+    assert torch.equal(grouped, want_grouped.detach().bfloat16())
+    assert dz.dtype == torch.bfloat16 and rel_rms(dz, want_dz) <= BF16_RTOL
+
+    e64 = expert_out.double().nan_to_num().requires_grad_()
+    w64 = weights.double().requires_grad_()
+    want_u = moe_combine_naive(e64, dest, w64)
+    want_de, want_dw = torch.autograd.grad(want_u, (e64, w64), du.double())
+    et, wt = expert_out.clone().requires_grad_(), weights.clone().requires_grad_()
+    u = moe_combine(et, dest, src, wt)
+    de, dw = torch.autograd.grad(u, (et, wt), du)
+    assert (u.dtype, de.dtype, dw.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    assert rel_rms(u, want_u) <= FP32_RTOL, rel_rms(u, want_u)
+    assert rel_rms(de, want_de) <= BF16_RTOL, rel_rms(de, want_de)
+    assert rel_rms(dw, want_dw) <= FP32_RTOL, rel_rms(dw, want_dw)
+    assert (de[src < 0] == 0).all()  # the rows no pair takes: zero, not left over
+
+
+def test_opcheck_on_cuda():
+    z, expert_out, weights, dest, src, _, _ = proxy_inputs(n_tokens=100, n_experts=16, width=96)
+    torch.library.opcheck(moe_dispatch_triton, (z.requires_grad_(), dest, src, 8))
+    torch.library.opcheck(moe_combine_triton, (expert_out.nan_to_num().requires_grad_(), dest,
+                                               src, weights.requires_grad_()))
+
+
+def _proxy_moe() -> tuple[LatentMoE, torch.Tensor]:
+    torch.manual_seed(0)
+    args = get_flavor("proxy")
+    moe = LatentMoE(args.dim, args.n_experts, args.top_k, args.n_shared_experts, args.latent_dim,
+                    args.expert_hidden, args.shared_hidden).cuda()
+    moe.init_weights(0.02, 0.02)
+    x = torch.randn(2, 1024, args.dim, device="cuda", requires_grad=True)
+    return moe, x
+
+
+def _layer_run(moe, x, module=None):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = (moe if module is None else module)(x)
+    params = [x, moe.w_down.weight, moe.experts.w1, moe.experts.w2, moe.router.weight,
+              moe.w_up.weight]
+    return [y, *torch.autograd.grad(y.float().square().mean(), params)]
+
+
+def test_layer_with_the_ops_matches_the_reference_path(monkeypatch):
+    moe, x = _proxy_moe()
+    ours = _layer_run(moe, x)
+    monkeypatch.setattr(moe_module, "moe_dispatch",
+                        lambda z, dest, src, k: moe_dispatch_naive(z, dest, src.numel(), k))
+    monkeypatch.setattr(moe_module, "moe_combine",
+                        lambda rows, dest, src, w: moe_combine_naive(rows, dest, w))
+    want = _layer_run(moe, x)
+    for i, (got, ref) in enumerate(zip(ours, want, strict=True)):
+        assert torch.isfinite(got).all(), i
+        assert rel_rms(got, ref) <= LAYER_RTOL, (i, rel_rms(got, ref))
+
+
+def test_layer_compiles_fullgraph_and_matches_eager():
+    moe, x = _proxy_moe()
+    eager = _layer_run(moe, x)
+    compiled = _layer_run(moe, x, torch.compile(moe, fullgraph=True))
+    for i, (got, want) in enumerate(zip(compiled, eager, strict=True)):
+        assert rel_rms(got, want) <= LAYER_RTOL, (i, rel_rms(got, want))

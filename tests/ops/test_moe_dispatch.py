@@ -1,0 +1,225 @@
+"""MoE dispatch and combine: the PyTorch reference against a pair-by-pair loop, and the Triton ops
+(run by Triton's CPU interpreter in a child process, see tests/ops/interpreter.py) against the
+reference in float64.
+
+Op vs reference, as relative RMS error ||got − want|| / ||want||, the reference run in float64
+on the op's inputs (already rounded to their dtypes) and the same output gradients:
+  grouped (dispatch forward)  a copy: equal to the reference bit for bit, zeros included.
+  u, dweights                 fp32 outputs summed in fp32: FP32_RTOL (observed ~1e-7).
+  dz, dexpert_out             in the rows' dtype: fp32 FP32_RTOL; bf16 one rounding of each
+                              element, truncated by the interpreter (about 3.1e-3 relative RMS,
+                              see test_short_conv.py), bound BF16_RTOL = 5e-3.
+dexpert_out must also be exactly zero on every row no pair takes (the grouped GEMMs' weight
+gradients read the padding rows).
+"""
+
+import json
+
+import pytest
+import torch
+
+import titan_moe.ops.moe_dispatch as dispatch_module
+from tests.ops.interpreter import guarded, interpreted_reports
+from titan_moe.model.moe import dispatch_layout
+from titan_moe.ops.moe_dispatch import (
+    moe_combine,
+    moe_combine_naive,
+    moe_dispatch,
+    moe_dispatch_naive,
+)
+
+FP32_RTOL = 1e-5
+BF16_RTOL = 5e-3
+LOOP_ATOL = 1e-12  # the reference against the pair loop, both float64
+
+# name -> (tokens, top_k, experts, group alignment, width, rows' dtype)
+CASES = {
+    "k3-d20-align4": (7, 3, 5, 4, 20, torch.float32),
+    "k2-d1100-align8": (5, 2, 3, 8, 1100, torch.float32),  # two column blocks of 1024
+    "k8-d64-align8": (6, 8, 10, 8, 64, torch.float32),
+    "bf16-k3-d40-align8": (9, 3, 4, 8, 40, torch.bfloat16),
+}
+
+
+def make_inputs(n_tokens, top_k, n_experts, align, width, dtype, seed=0):
+    """z [N, d] and expert_out [R, d] in dtype (expert_out's untaken rows hold NaN, as the
+    grouped GEMM may leave them), weights [N, k] fp32, the layout, du [N, d] fp32 and dgrouped
+    [R, d] in dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(n_experts, generator=gen)[:top_k]
+                           for _ in range(n_tokens)])
+    dest, src, _ = dispatch_layout(experts.reshape(-1), n_experts, align)
+    n_rows = src.numel()
+    z = torch.randn(n_tokens, width, generator=gen).to(dtype)
+    expert_out = torch.randn(n_rows, width, generator=gen).to(dtype)
+    expert_out[src < 0] = float("nan")
+    weights = torch.rand(n_tokens, top_k, generator=gen)
+    du = torch.randn(n_tokens, width, generator=gen)
+    dgrouped = torch.randn(n_rows, width, generator=gen).to(dtype)
+    return z, expert_out, weights, dest, src, du, dgrouped
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def run_case(n_tokens, top_k, n_experts, align, width, dtype) -> dict:
+    """The Triton ops (interpreted) against the float64 reference: errors and checks."""
+    from titan_moe.ops.moe_dispatch import moe_combine_triton, moe_dispatch_triton
+
+    z, expert_out, weights, dest, src, du, dgrouped = make_inputs(
+        n_tokens, top_k, n_experts, align, width, dtype)
+    taken = src >= 0
+
+    z64 = z.double().requires_grad_()
+    want_grouped = moe_dispatch_naive(z64, dest, src.numel(), top_k)
+    (want_dz,) = torch.autograd.grad(want_grouped, z64, dgrouped.double())
+    zt = z.clone().requires_grad_()
+    grouped = moe_dispatch_triton(zt, dest, src, top_k)
+    (dz,) = torch.autograd.grad(grouped, zt, dgrouped)
+
+    e64 = expert_out.double().nan_to_num().requires_grad_()
+    w64 = weights.double().requires_grad_()
+    want_u = moe_combine_naive(e64, dest, w64)
+    want_de, want_dw = torch.autograd.grad(want_u, (e64, w64), du.double())
+    et, wt = expert_out.clone().requires_grad_(), weights.clone().requires_grad_()
+    u = moe_combine_triton(et, dest, src, wt)
+    de, dw = torch.autograd.grad(u, (et, wt), du)
+    return {
+        "grouped_exact": bool(torch.equal(grouped, want_grouped.detach().to(dtype))),
+        "dz": rel_rms(dz, want_dz), "u": rel_rms(u, want_u.detach()),
+        "dexpert_out": rel_rms(de, want_de), "dweights": rel_rms(dw, want_dw),
+        "untaken_grad_zero": bool((de[~taken] == 0).all()),
+        "dtypes_ok": (grouped.dtype, dz.dtype, u.dtype, de.dtype, dw.dtype)
+        == (dtype, dtype, torch.float32, dtype, torch.float32),
+    }
+
+
+def run_opcheck() -> dict:
+    """torch.library.opcheck of the four ops' schemas and the forwards' autograd registration
+    (the fake-tensor check runs on the GPU: under the interpreter Triton touches fake storage)."""
+    from titan_moe.ops.moe_dispatch import (
+        moe_combine_bwd_triton,
+        moe_combine_triton,
+        moe_dispatch_bwd_triton,
+        moe_dispatch_triton,
+    )
+
+    z, expert_out, weights, dest, src, du, dgrouped = make_inputs(5, 2, 3, 4, 16, torch.float32)
+    expert_out = expert_out.nan_to_num()
+    schema = ("test_schema",)
+    both = ("test_schema", "test_autograd_registration")
+    checks = {
+        "dispatch": torch.library.opcheck(moe_dispatch_triton,
+                                          (z.requires_grad_(), dest, src, 2), test_utils=both),
+        "combine": torch.library.opcheck(moe_combine_triton, (expert_out.requires_grad_(), dest,
+                                                              src, weights.requires_grad_()),
+                                         test_utils=both),
+        "dispatch_bwd": torch.library.opcheck(moe_dispatch_bwd_triton, (dgrouped, dest, 5, 2),
+                                              test_utils=schema),
+        "combine_bwd": torch.library.opcheck(moe_combine_bwd_triton,
+                                             (du, expert_out.detach(), src, weights.detach()),
+                                             test_utils=schema),
+    }
+    return {f"{op}_{name}": str(outcome) for op, report in checks.items()
+            for name, outcome in report.items()}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """Every interpreted case, from one child process (this file run as a module)."""
+    return interpreted_reports(__file__)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_ops_match_float64_reference_under_interpreter(results, name):
+    report = results[name]
+    assert "error" not in report, report["error"]
+    assert report["dtypes_ok"] and report["grouped_exact"] and report["untaken_grad_zero"], report
+    rows_bound = BF16_RTOL if CASES[name][5] == torch.bfloat16 else FP32_RTOL
+    bounds = {"dz": rows_bound, "dexpert_out": rows_bound, "u": FP32_RTOL,
+              "dweights": FP32_RTOL}
+    for key, bound in bounds.items():
+        assert report[key] <= bound, (key, report[key], bound)
+
+
+def test_opcheck_schema_and_autograd(results):
+    report = results["opcheck"]
+    assert "error" not in report, report.get("error")
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def _loop_reference(z, expert_out, weights, dest, n_rows, du, dgrouped):
+    """Pair by pair in float64: grouped, dz, u, dexpert_out, dweights from their definitions."""
+    n_tokens, top_k = weights.shape
+    grouped = torch.zeros(n_rows, z.shape[1], dtype=torch.float64)
+    dz = torch.zeros_like(z)
+    u = torch.zeros(n_tokens, z.shape[1], dtype=torch.float64)
+    de = torch.zeros(n_rows, z.shape[1], dtype=torch.float64)
+    dw = torch.zeros_like(weights)
+    for t in range(n_tokens):
+        for j in range(top_k):
+            row = int(dest[t * top_k + j])
+            grouped[row] = z[t]
+            dz[t] += dgrouped[row]
+            u[t] += weights[t, j] * expert_out[row]
+            de[row] = weights[t, j] * du[t]
+            dw[t, j] = (expert_out[row] * du[t]).sum()
+    return grouped, dz, u, de, dw
+
+
+@pytest.mark.parametrize("name", ["k3-d20-align4", "k8-d64-align8"])
+def test_reference_matches_pair_loop(name):
+    n_tokens, top_k, n_experts, align, width, _ = CASES[name]
+    z, expert_out, weights, dest, src, du, dgrouped = make_inputs(
+        n_tokens, top_k, n_experts, align, width, torch.float64)
+    expert_out = expert_out.nan_to_num().requires_grad_()
+    z, weights = z.requires_grad_(), weights.double().requires_grad_()
+    grouped = moe_dispatch_naive(z, dest, src.numel(), top_k)
+    (dz,) = torch.autograd.grad(grouped, z, dgrouped)
+    u = moe_combine_naive(expert_out, dest, weights)
+    de, dw = torch.autograd.grad(u, (expert_out, weights), du.double())
+    want = _loop_reference(z.detach(), expert_out.detach(), weights.detach(), dest, src.numel(),
+                           du.double(), dgrouped)
+    for got, expected in zip((grouped, dz, u, de, dw), want, strict=True):
+        assert (got - expected).abs().max().item() <= LOOP_ATOL
+
+
+def test_dispatcher_takes_the_reference_on_cpu(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the Triton op was called for CPU tensors")
+
+    monkeypatch.setattr(dispatch_module, "moe_dispatch_triton", refuse)
+    monkeypatch.setattr(dispatch_module, "moe_combine_triton", refuse)
+    z, expert_out, weights, dest, src, _, _ = make_inputs(4, 2, 3, 4, 8, torch.float32)
+    assert torch.equal(moe_dispatch(z, dest, src, 2), moe_dispatch_naive(z, dest, src.numel(), 2))
+    expert_out = expert_out.nan_to_num()
+    assert torch.equal(moe_combine(expert_out, dest, src, weights),
+                       moe_combine_naive(expert_out, dest, weights))
+
+
+@pytest.mark.parametrize(("z_shape", "dest_len", "src_shape", "w_shape", "field"), [
+    ((4, 8), 8, (16,), (4, 2), None),
+    ((4, 8, 1), 8, (16,), (4, 2), "rows"),
+    ((4, 8), 7, (16,), (4, 2), "dest"),
+    ((4, 8), 8, (4, 4), (4, 2), "src"),
+    ((4, 8), 8, (16,), (8,), "weights"),
+])
+def test_bad_inputs_name_the_field(z_shape, dest_len, src_shape, w_shape, field):
+    z, dest = torch.randn(z_shape), torch.arange(dest_len)
+    src, weights = torch.full(src_shape, -1), torch.rand(w_shape)
+
+    def both():
+        moe_dispatch(z, dest, src, 2)
+        moe_combine(torch.randn(16, *z_shape[1:]), dest, src, weights)
+
+    if field is None:
+        both()
+        return
+    with pytest.raises(ValueError, match=field):
+        both()
+
+
+if __name__ == "__main__":
+    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))
