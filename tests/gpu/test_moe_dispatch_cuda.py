@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import titan_moe.model.moe as moe_module
+from tests.ops.test_moe_dispatch import compare_with_reference, make_inputs, rel_rms
 from titan_moe.model.args import get_flavor
-from titan_moe.model.moe import LatentMoE, dispatch_layout
+from titan_moe.model.moe import LatentMoE
 from titan_moe.ops.moe_dispatch import (
     moe_combine,
     moe_combine_naive,
@@ -35,50 +36,17 @@ BF16_RTOL = 4e-3
 LAYER_RTOL = 2e-2
 
 
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
-
-
-def proxy_inputs(n_tokens=8192, top_k=8, n_experts=64, width=1024, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    scores = torch.rand(n_tokens, n_experts, device="cuda", generator=gen)
-    experts = scores.topk(top_k).indices
-    dest, src, _ = dispatch_layout(experts.reshape(-1), n_experts, 8)
-    n_rows = src.numel()
-    z = torch.randn(n_tokens, width, device="cuda", generator=gen).bfloat16()
-    expert_out = torch.randn(n_rows, width, device="cuda", generator=gen).bfloat16()
-    expert_out[src < 0] = float("nan")  # what the grouped GEMM may leave there
-    weights = torch.rand(n_tokens, top_k, device="cuda", generator=gen)
-    du = torch.randn(n_tokens, width, device="cuda", generator=gen)
-    dgrouped = torch.randn(n_rows, width, device="cuda", generator=gen).bfloat16()
-    return z, expert_out, weights, dest, src, du, dgrouped
+def proxy_inputs(n_tokens=8192, n_experts=64, width=1024) -> list[torch.Tensor]:
+    """make_inputs' tensors at the proxy's shape (top-8, groups aligned to 8), bf16, on CUDA."""
+    return [t.cuda() for t in make_inputs(n_tokens, 8, n_experts, 8, width, torch.bfloat16)]
 
 
 def test_ops_match_float64_reference_at_proxy_shape():
-    z, expert_out, weights, dest, src, du, dgrouped = proxy_inputs()
-    top_k = weights.shape[1]
-    z64 = z.double().requires_grad_()
-    want_grouped = moe_dispatch_naive(z64, dest, src.numel(), top_k)
-    (want_dz,) = torch.autograd.grad(want_grouped, z64, dgrouped.double())
-    zt = z.clone().requires_grad_()
-    grouped = moe_dispatch(zt, dest, src, top_k)
-    (dz,) = torch.autograd.grad(grouped, zt, dgrouped)
-    assert torch.equal(grouped, want_grouped.detach().bfloat16())
-    assert dz.dtype == torch.bfloat16 and rel_rms(dz, want_dz) <= BF16_RTOL
-
-    e64 = expert_out.double().nan_to_num().requires_grad_()
-    w64 = weights.double().requires_grad_()
-    want_u = moe_combine_naive(e64, dest, w64)
-    want_de, want_dw = torch.autograd.grad(want_u, (e64, w64), du.double())
-    et, wt = expert_out.clone().requires_grad_(), weights.clone().requires_grad_()
-    u = moe_combine(et, dest, src, wt)
-    de, dw = torch.autograd.grad(u, (et, wt), du)
-    assert (u.dtype, de.dtype, dw.dtype) == (torch.float32, torch.bfloat16, torch.float32)
-    assert rel_rms(u, want_u) <= FP32_RTOL, rel_rms(u, want_u)
-    assert rel_rms(de, want_de) <= BF16_RTOL, rel_rms(de, want_de)
-    assert rel_rms(dw, want_dw) <= FP32_RTOL, rel_rms(dw, want_dw)
-    assert (de[src < 0] == 0).all()  # the rows no pair takes: zero, not left over
+    report = compare_with_reference(moe_dispatch, moe_combine, proxy_inputs())
+    assert report["dtypes_ok"] and report["grouped_exact"] and report["untaken_grad_zero"], report
+    bounds = {"dz": BF16_RTOL, "dexpert_out": BF16_RTOL, "u": FP32_RTOL, "dweights": FP32_RTOL}
+    for key, bound in bounds.items():
+        assert report[key] <= bound, (key, report[key], bound)
 
 
 def test_opcheck_on_cuda():

@@ -8,10 +8,13 @@ against the same layer in float64 on CPU with identical routes forced by a large
 its forward and backward free of host syncs (what CUDA graphs need).
 """
 
+import math
+
 import pytest
 import torch
 
 from titan_moe.model.moe import LatentMoE
+from titan_moe.model.quantile_balance import QuantileBalancer
 from titan_moe.ops.router import qb_route_naive, qb_route_triton
 
 pytestmark = [
@@ -122,3 +125,24 @@ def test_latent_moe_forward_and_backward_never_sync_with_the_host():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(x.grad).all()
+
+
+def test_quantile_balancer_step_never_syncs_with_the_host():
+    """The bias update after each optimizer step stays on the GPU (a host read there made the
+    GPU idle while the host loaded the next batch); its metrics are read on logging steps."""
+    moe = _layer("cuda", torch.bfloat16)
+    balancer = QuantileBalancer(moe)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe(x)
+        balancer.step()  # outside sync debug mode: lazy initialisation may sync once
+        moe(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        balancer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    metrics = balancer.metrics()
+    assert len(metrics) == 3 and all(math.isfinite(v) for v in metrics.values()), metrics
+    assert torch.isfinite(moe.router.expert_bias).all()

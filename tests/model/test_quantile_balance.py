@@ -200,7 +200,9 @@ def test_balancer_step_updates_bias_and_reports_load():
         lo, hi = qb_range(router.expert_bias)
         expected_bias.append(qb_bias_from_histogram(hist, lo, hi, top_k))
         expected_load.append(load)
-    metrics = balancer.step()
+    assert balancer.metrics() == {}  # no step yet
+    balancer.step()
+    metrics = balancer.metrics()
     for i, layer_id in enumerate((1, 3)):
         router, load = moes[i].router, expected_load[i]
         assert metrics[f"moe/layer{layer_id}/max_violation"] == pytest.approx(
@@ -284,7 +286,8 @@ def _data_parallel_worker(rank: int, world_size: int, store_path: str, out_path:
             for moe in moes:
                 moe(x, valid)
         all_reduce_qb_stats(balancer.routers)
-        metrics = balancer.step()
+        balancer.step()
+        metrics = balancer.metrics()
         torch.save({"bias": [m.router.expert_bias for m in moes], "metrics": metrics}, out_path)
     finally:
         torch.distributed.destroy_process_group()
@@ -297,7 +300,8 @@ def test_balancer_all_reduces_over_data_parallel_ranks(tmp_path):
     for x, valid in _micro_batches():
         for moe in moes:
             moe(x, valid)
-    metrics = balancer.step()
+    balancer.step()
+    metrics = balancer.metrics()
     # Forked after the reference run, so the workers inherit everything it already loaded.
     world_size = 2
     outs = [str(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]

@@ -104,6 +104,9 @@ class QuantileBalancer:
         # [n_routers, E] float64 expert loads (token-slot counts) of the last step, rows in
         # self.routers order: what the trainer logs as the expert-load histogram.
         self.expert_load: torch.Tensor | None = None
+        # The last step's routing-health values, still on the device: [mean violation, each
+        # router's violation, each router's bias spread] (float64), read by `metrics`.
+        self.health: torch.Tensor | None = None
 
     @property
     def layer_ids(self) -> list[int]:
@@ -123,15 +126,15 @@ class QuantileBalancer:
             router.reset_qb_stats()
 
     @torch.no_grad()
-    def step(self) -> dict[str, float]:
-        """Update every router's bias; return the step's routing-health metrics.
+    def step(self) -> None:
+        """Update every router's bias from the statistics routed since the last step.
 
-        moe/max_violation is the mean over layers of max_load / mean_load - 1 for the loads routed
-        since the last step; moe/layer{i}/max_violation and moe/layer{i}/bias_spread (max - min
-        of the new bias) are per router, i its layer_id. One host sync, for the metrics.
+        Nothing is read back to the host: a read here would make the host wait for the optimizer
+        step before it loads the next batch, and the GPU would then sit idle while it does (the
+        trainer reads `metrics` on its logging steps only).
         """
         if not self.routers:
-            return {}
+            return
         violations, spreads, loads = [], [], []
         for router in self.routers:
             hist, load = router.qb_hist, router.expert_load
@@ -146,8 +149,19 @@ class QuantileBalancer:
             router.reset_qb_stats()
         self.expert_load = torch.stack(loads)
         violation = torch.stack(violations)
-        values = torch.cat([violation.mean().view(1), violation, torch.stack(spreads).double()])
-        values = values.tolist()
+        self.health = torch.cat([violation.mean().view(1), violation,
+                                 torch.stack(spreads).double()])
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's routing-health metrics (one host read; {} before the first step).
+
+        moe/max_violation is the mean over layers of max_load / mean_load - 1 for the loads routed
+        in that step; moe/layer{i}/max_violation and moe/layer{i}/bias_spread (max - min of the
+        new bias) are per router, i its layer_id.
+        """
+        if self.health is None:
+            return {}
+        values = self.health.tolist()
         n = len(self.routers)
         metrics = {"moe/max_violation": values[0]}
         for i, layer_id in enumerate(self.layer_ids):

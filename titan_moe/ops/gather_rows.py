@@ -7,7 +7,8 @@
 must allow repeated rows: on CUDA that is an atomic add per element (bf16 atomics are
 compare-and-swap loops; 8.6 ms of a 325 ms proxy step on the H200, bench/RESULTS.md 2026-12-04).
 With distinct rows a plain `index_copy` scatter is exact, deterministic and atomic-free. The
-MoE combine reads each (token, slot) pair's row of the expert buffer this way.
+MoE combine's reference (`ops/moe_dispatch/naive.py`) reads each (token, slot) pair's row of
+the expert buffer this way.
 """
 
 import torch

@@ -137,7 +137,8 @@ def train(config: RLConfig) -> list[dict[str, float]]:
                        tokenizer.eos_id)
         if balancer is not None:
             all_reduce_qb_stats(balancer.routers)
-            stats.update(balancer.step())
+            balancer.step()
+            stats.update(balancer.metrics())
         stats.update({
             "reward": float(rewards.mean()),
             "success_rate": sum(t.success for t in trajectories) / len(trajectories),

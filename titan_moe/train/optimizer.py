@@ -41,8 +41,8 @@ def all_reduce_qb_stats(
 
 class LoadBalancing:
     """Optimizer post-step hook: sum every balancer's statistics over `dp_group` (None: this
-    rank's tokens are the whole batch, nothing to sum), then run it once; keep the metrics they
-    report.
+    rank's tokens are the whole batch, nothing to sum), then run it once. The metrics they keep
+    are read on demand (`metrics`), so a step makes no host read.
 
     Under pipeline parallelism each rank balances the MoE layers of its own stages and
     `pp_group` gathers every stage's per-layer metrics, so the logging rank (torchtitan's: the
@@ -58,19 +58,26 @@ class LoadBalancing:
         self.balancers = list(balancers)
         self.dp_group = dp_group
         self.pp_group = pp_group
-        self.metrics: dict[str, float] = {}
 
     def __call__(self, *_args: Any, **_kwargs: Any) -> None:
-        metrics: dict[str, float] = {}
         for balancer in self.balancers:
             if self.dp_group is not None:
                 all_reduce_qb_stats(balancer.routers, self.dp_group)
-            metrics.update(balancer.step())
+            balancer.step()
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last step's routing-health metrics of every balancer, read from the device. Under
+        pipeline parallelism a collective over `pp_group`: every rank reads them at the same
+        step (torchtitan logs on every rank at each logging step)."""
+        metrics: dict[str, float] = {}
+        for balancer in self.balancers:
+            metrics.update(balancer.metrics())
         if self.pp_group is not None:
             stages: list[Any] = [None] * dist.get_world_size(self.pp_group)
             dist.all_gather_object(stages, metrics, group=self.pp_group)
             metrics = {k: v for stage in stages for k, v in stage.items()}
-        self.metrics = with_model_max_violation(metrics)
+        return with_model_max_violation(metrics)
 
     def discard(self) -> None:
         """Drop the statistics of a step whose optimizer step was skipped (step_guard.py)."""
