@@ -62,5 +62,11 @@ step float8_training python3 bench/float8_training.py --steps 300 --compile --va
 # context recompiles the step), both merged into one JSON.
 step generate_b1 python3 bench/generate.py --batches 1 --out "$out/generate.json"
 step generate_b8 python3 bench/generate.py --batches 8 --out "$out/generate.json"
+# Issue 23.4: one GRPO update of the proxy (compiled rollouts, sandboxed Python tools) from a
+# 20-step checkpoint; the checkpoint (model and optimizer, about 48 GB) stays out of OUT_DIR.
+step rl_proxy_checkpoint env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 20 \
+    --job.dump_folder /tmp/titan_moe_proxy
+step rl_proxy env CONFIG_FILE=configs/rl_proxy.toml scripts/run_rl.sh \
+    --model.checkpoint /tmp/titan_moe_proxy/checkpoint --output.dump_folder "$out/rl_proxy"
 echo "results in $out"
 exit $status

@@ -1,8 +1,11 @@
 """GRPO on the toy env (reward = share of 'a' in the actions, two turns) from a seeded random
 tiny model: the mean reward of the last 5 of 30 updates beats the first 5 by more than 0.4
 (the run goes from about 0.07 to about 1.0); the TensorBoard tags are written; a checkpoint is
-saved. Also: a crashing environment costs its own trajectory only."""
+saved. Also: a crashing environment costs its own trajectory only; rollouts through the static
+cache stay within its slot bound; compiled rollouts under autocast train and log their speeds."""
 
+import dataclasses
+import math
 import random
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -11,6 +14,7 @@ from titan_moe.rl.config import load_rl_config
 from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
 from titan_moe.rl.rollout import rollout
 from titan_moe.serve.generate import Generator, Sampling, load_model
+from titan_moe.serve.static_decode import StaticGenerator
 
 TINY = {"vocab_size": 16, "dim": 64, "n_layers": 2, "mla_layers": [2], "dense_hidden": 64,
         "n_heads": 2, "head_dim": 16, "kda_gate_rank": 16, "mla_n_heads": 2, "q_lora_rank": 32,
@@ -58,3 +62,43 @@ def test_crashing_tool_costs_only_its_trajectory(tmp_path):
     assert crashed and len(crashed) < len(trajs)
     assert all(t.reward == 0 for t in crashed)
     assert all(t.turns == 2 for t in trajs if t not in crashed)
+
+
+def test_rollouts_fit_the_static_cache_bound(tmp_path):
+    """Rollouts through a static cache of exactly rollout_cache_slots slots. The session writes
+    the same slots for every row (the longest prompt, each turn's decode budget, the longest
+    observation), so it fills more slots than any row holds tokens: here more than rl.max_len (a
+    cache of max_len slots would have raised), and no more than the bound."""
+    from titan_moe.rl.train import rollout_cache_slots
+
+    config = _config(tmp_path, 1)
+    rl = dataclasses.replace(config.rl, max_turn_tokens=8, max_len=12)
+    model = load_model(None, config.model_args())
+    env = TargetCharEnv()
+    slots = rollout_cache_slots(rl, env.max_turns)
+    generator = StaticGenerator(model, prefill_chunk=64, max_len=slots, compile=False)
+    trajs = rollout(generator, env, CharTokenizer(), random.Random(0), 4, 2, rl.max_turn_tokens,
+                    rl.max_len, Sampling())
+    (session,) = generator.sessions.values()
+    assert rl.max_len < session.filled <= slots, (session.filled, slots)
+    assert all(len(t.tokens) <= rl.max_len for t in trajs)
+
+
+def test_compiled_rollouts_under_autocast_report_both_speeds(tmp_path):
+    from titan_moe.rl.train import build_generator, rollout_cache_slots, train
+
+    config = _config(tmp_path, 2)
+    config.rl.compile_rollouts = True
+    config.rl.autocast = True
+    generator = build_generator(load_model(None, config.model_args()), config.rl, 2)
+    assert isinstance(generator, StaticGenerator)
+    assert generator.max_len == rollout_cache_slots(config.rl, 2)
+    history = train(config)
+    for step in history:
+        assert step["rollout_tokens_per_s"] > 0 and step["train_tokens_per_s"] > 0, step
+        assert 0 <= step["reward"] <= 1 and math.isfinite(step["loss"]), step
+    (run,) = (tmp_path / "tb").iterdir()
+    events = EventAccumulator(str(run))
+    events.Reload()
+    for tag in ("rl/rollout_tokens_per_s", "rl/train_tokens_per_s"):
+        assert len(events.Scalars(tag)) == 2, tag

@@ -50,6 +50,12 @@ class RLSection:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     save_interval: int = 0
+    # Rollouts through serve/static_decode.py's compiled decode step on a static cache (CUDA
+    # graphs on CUDA) instead of the eager session.
+    compile_rollouts: bool = False
+    # Rollouts and the update under bf16 autocast (fp32 weights and optimizer, bf16 matmuls): the
+    # fast kernels of the proxy and full flavors take bf16.
+    autocast: bool = False
 
 
 @dataclass

@@ -8,8 +8,11 @@ cache (the policy in eval mode: routing reads the QB biases and accumulates noth
 advantages, then one AdamW step on the token-level loss with a KL term to the frozen starting
 model, over micro-batches of `rl.micro_batch` rows (rows longer than `rl.chunk_len` in chunks with
 the KDA state carried). With `rl.freeze_qb = false` the update runs in train mode and Quantile
-Balancing steps after the optimizer. TensorBoard (output.dump_folder/tb): rl/reward,
-rl/success_rate, rl/trajectory_length, rl/kl, rl/entropy, rl/loss, rl/grad_norm, rl/failures.
+Balancing steps after the optimizer. `rl.compile_rollouts` decodes through the compiled
+static-cache step (CUDA graphs on CUDA; its first rollout compiles it), `rl.autocast` runs
+rollouts and update under bf16 autocast. TensorBoard (output.dump_folder/tb): rl/reward,
+rl/success_rate, rl/trajectory_length, rl/kl, rl/entropy, rl/loss, rl/grad_norm, rl/failures,
+rl/rollout_tokens_per_s (sampled tokens), rl/train_tokens_per_s (tokens through the update).
 The final model (and every save_interval steps) is written as a DCP checkpoint that
 `python -m titan_moe.serve.generate --checkpoint` reads.
 """
@@ -30,7 +33,7 @@ from titan_moe.data.tokenizer import TitanTokenizer, asset_path
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
-from titan_moe.rl.config import RLConfig, load_rl_config
+from titan_moe.rl.config import RLConfig, RLSection, load_rl_config
 from titan_moe.rl.env import Environment, Tokenizer
 from titan_moe.rl.envs.arithmetic import ArithmeticEnv
 from titan_moe.rl.envs.python_exec import PythonExecEnv
@@ -38,6 +41,7 @@ from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
 from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs
 from titan_moe.rl.rollout import Trajectory, rollout
 from titan_moe.serve.generate import Generator, Sampling, load_model
+from titan_moe.serve.static_decode import StaticGenerator
 from titan_moe.train.optimizer import all_reduce_qb_stats
 
 
@@ -108,6 +112,21 @@ def save(model: TitanMoE, folder: Path, step: int) -> Path:
     return path
 
 
+def rollout_cache_slots(rl: RLSection, max_turns: int) -> int:
+    """Static cache slots a row that a batch of rollouts can fill. A session writes the same
+    slots for every row (the longest prompt, each turn's decode budget, the longest observation),
+    and each row's own tokens stay within rl.max_len, so: a prompt of at most max_len, then per
+    turn max_turn_tokens decoded and an observation of at most max_len."""
+    return rl.max_len + max_turns * (rl.max_turn_tokens + rl.max_len)
+
+
+def build_generator(policy: TitanMoE, rl: RLSection, max_turns: int) -> Generator:
+    if rl.compile_rollouts:
+        return StaticGenerator(policy, prefill_chunk=rl.prefill_chunk,
+                               max_len=rollout_cache_slots(rl, max_turns))
+    return Generator(policy, prefill_chunk=rl.prefill_chunk)
+
+
 def train(config: RLConfig) -> list[dict[str, float]]:
     """Run config.rl.steps GRPO steps; returns each step's metrics."""
     rl = config.rl
@@ -120,7 +139,8 @@ def train(config: RLConfig) -> list[dict[str, float]]:
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
     balancer = None if rl.freeze_qb else QuantileBalancer(policy)
-    generator = Generator(policy, prefill_chunk=rl.prefill_chunk)
+    generator = build_generator(policy, rl, env.max_turns)
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=rl.autocast)
     sampling = Sampling(rl.temperature, rl.top_p)
     rng = random.Random(rl.seed)
     torch_rng = torch.Generator(device=device).manual_seed(rl.seed)
@@ -129,12 +149,17 @@ def train(config: RLConfig) -> list[dict[str, float]]:
     history = []
     for step in range(1, rl.steps + 1):
         began = time.perf_counter()
-        trajectories = rollout(generator, env, tokenizer, rng, rl.tasks_per_step, rl.group_size,
-                               rl.max_turn_tokens, rl.max_len, sampling, torch_rng)
+        with amp:
+            trajectories = rollout(generator, env, tokenizer, rng, rl.tasks_per_step,
+                                   rl.group_size, rl.max_turn_tokens, rl.max_len, sampling,
+                                   torch_rng)
+        rolled = time.perf_counter()
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         advantages = group_advantages(rewards, rl.group_size)
-        stats = update(policy, reference, optimizer, trajectories, advantages, config,
-                       tokenizer.eos_id)
+        with amp:
+            stats = update(policy, reference, optimizer, trajectories, advantages, config,
+                           tokenizer.eos_id)
+        updated = time.perf_counter()
         if balancer is not None:
             all_reduce_qb_stats(balancer.routers)
             balancer.step()
@@ -147,6 +172,11 @@ def train(config: RLConfig) -> list[dict[str, float]]:
             "failures": sum(t.info not in ("", "turns", "length") for t in trajectories)
             / len(trajectories),
             "step_time_s": time.perf_counter() - began,
+            # Sampled tokens a second of the rollouts (sandboxed tool calls included), and the
+            # tokens the update runs through the policy (and the reference) a second.
+            "rollout_tokens_per_s": sum(sum(t.action_mask) for t in trajectories)
+            / (rolled - began),
+            "train_tokens_per_s": sum(len(t.tokens) for t in trajectories) / (updated - rolled),
         })  # fmt: skip
         history.append(stats)
         for name, value in stats.items():
