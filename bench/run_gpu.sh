@@ -55,6 +55,12 @@ step run_train env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.step
 step run_train_workers env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 100 \
     --checkpoint.no_enable --training.dataloader.num_workers 1 \
     --job.dump_folder "$out/run_train_workers"
+# Where the trainer's step differs from bench/step.py's: its step 30 profiled (torchtitan's
+# profiler), the GPU's idle gaps and what the host did in them.
+step run_train_profile env CONFIG_FILE=configs/proxy.toml ./run_train.sh --training.steps 31 \
+    --checkpoint.no_enable --profiling.enable_profiling --profiling.profile_freq 30 \
+    --job.dump_folder "$out/run_train_profile"
+step run_train_gaps bash -c "python3 bench/trace_gaps.py $out/run_train_profile/profile_traces/iteration_30/rank0_trace.json; python3 bench/trace_host.py $out/run_train_profile/profile_traces/iteration_30/rank0_trace.json"
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
 step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
