@@ -159,6 +159,8 @@ def train(config: RLConfig) -> list[dict[str, float]]:
         with amp:
             stats = update(policy, reference, optimizer, trajectories, advantages, config,
                            tokenizer.eos_id)
+        if device == "cuda":  # the optimizer step's kernels, in the update's time
+            torch.cuda.synchronize()
         updated = time.perf_counter()
         if balancer is not None:
             all_reduce_qb_stats(balancer.routers)

@@ -102,7 +102,7 @@ def combine_bwd_kernel(du_ptr, rows_ptr, src_ptr, w_ptr, drows_ptr, dw_ptr, R,
 def validate_moe_dispatch_inputs(
     rows: Tensor, dest: Tensor, src: Tensor, n_tokens: int, top_k: int
 ) -> None:
-    """rows [*, d] (z or expert_out), dest [n_tokens·top_k], src [R], both integer."""
+    """rows [rows, d] (z or expert_out), dest [n_tokens·top_k] and src [R], both integer."""
     if rows.ndim != 2:
         raise ValueError(f"rows must be [rows, d], got shape {tuple(rows.shape)}")
     if top_k < 1:
