@@ -50,10 +50,16 @@ def test_ops_match_float64_reference_at_proxy_shape():
 
 
 def test_opcheck_on_cuda():
+    """Schema, autograd registration, fake implementation and AOT tracing with static shapes
+    (the model's widths are constants: the kernels take the width as a constexpr)."""
     z, expert_out, weights, dest, src, _, _ = proxy_inputs(n_tokens=100, n_experts=16, width=96)
-    torch.library.opcheck(moe_dispatch_triton, (z.requires_grad_(), dest, src, 8))
-    torch.library.opcheck(moe_combine_triton, (expert_out.nan_to_num().requires_grad_(), dest,
-                                               src, weights.requires_grad_()))
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_static")
+    for op, args in ((moe_dispatch_triton, (z.requires_grad_(), dest, src, 8)),
+                     (moe_combine_triton, (expert_out.nan_to_num().requires_grad_(), dest, src,
+                                           weights.requires_grad_()))):
+        report = torch.library.opcheck(op, args, test_utils=tests)
+        assert set(report.values()) == {"SUCCESS"}, report
 
 
 def _proxy_moe() -> tuple[LatentMoE, torch.Tensor]:
