@@ -21,7 +21,8 @@ resolution and the patch budget are exercised) and a caption, and also report im
 per window of patch slots), MFU against --peak-tflops (CUDA only), and "host ms": how long the
 host takes to issue a step started on an idle GPU (timing.host_issue_ms; near the step's time,
 the step is host-bound). Prints a table, the speed-up of each compiled mode over eager, and
-writes JSON (--out).
+writes JSON (--out). A row that runs out of device memory, or fails, stays in the table as such
+and the rows after it still run; the exit status is 1 if a row failed other than by memory.
 """
 
 import argparse
@@ -30,6 +31,7 @@ import dataclasses
 import gc
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import anchor_deepseek
@@ -209,11 +211,15 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     }
 
 
-def oom_row(opts, inputs: str, mode: str, device: str, error: Exception) -> dict:
-    """The row of a mode that ran out of device memory: no timings, the error's first line."""
+def failed_row(opts, inputs: str, mode: str, device: str, error: Exception) -> dict:
+    """The row of a mode that did not run: out of device memory (a result at this batch size) or
+    an error (a defect); no timings, the error's first line."""
+    oom = isinstance(error, torch.OutOfMemoryError)
+    first = str(error).splitlines()[0] if str(error) else ""
     return {"inputs": inputs, "mode": mode, "flavor": opts.flavor, "device": device,
-            "batch": opts.batch, "seq_len": opts.seq_len, "ms": None,
-            "out_of_memory": str(error).splitlines()[0], "passes_matched": {}, "profile": {}}
+            "batch": opts.batch, "seq_len": opts.seq_len, "ms": None, "out_of_memory": oom,
+            "failure": first if oom else f"{type(error).__name__}: {first}",
+            "passes_matched": {}, "profile": {}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,14 +234,18 @@ def main(argv: list[str] | None = None) -> int:
                 with (anchor_deepseek.row_scope(device) if mode == ANCHOR
                       else contextlib.nullcontext()):
                     rows.append(bench_one(opts, inputs, mode, device))
-            except torch.OutOfMemoryError as error:
-                # One row past the device's memory (eager at a large batch) is a result: the
-                # table says so and the rows after it still run.
-                rows.append(oom_row(opts, inputs, mode, device, error))
+            except Exception as error:
+                # A row past the device's memory (eager at a large batch) is a result, and a row
+                # that fails is a defect to report: either way the table says so and the rows
+                # after it still run.
+                if not isinstance(error, torch.OutOfMemoryError):
+                    traceback.print_exc()
+                rows.append(failed_row(opts, inputs, mode, device, error))
                 gc.collect()
             r = rows[-1]
             if r["ms"] is None:
-                print(f"done: {inputs} {mode} out of memory at batch {opts.batch}", flush=True)
+                what = f"out of memory at batch {opts.batch}" if r["out_of_memory"] else "failed"
+                print(f"done: {inputs} {mode} {what}: {r['failure']}", flush=True)
             else:
                 skips = r["cudagraph_skips"]
                 skips = "" if skips is None else f", cudagraph skips {skips}"
@@ -253,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'TFLOPS':>8} {'MFU%':>6} {'x eager':>7} {'GiB':>6}")
     for r in rows:
         if r["ms"] is None:
-            print(f"{r['inputs']:<11} {r['mode']:<20} out of memory")
+            what = "out of memory" if r["out_of_memory"] else "failed"
+            print(f"{r['inputs']:<11} {r['mode']:<20} {what}: {r['failure'][:80]}")
             continue
         mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
         speedup = f"{r['speedup_vs_eager']:7.2f}" if r["speedup_vs_eager"] else "      -"
@@ -274,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"top of class {c['class']}:")
                 _print_kernels(c["top"])
     write_json(opts.out, opts, rows)
-    return 0
+    return int(any(r["ms"] is None and not r["out_of_memory"] for r in rows))
 
 
 if __name__ == "__main__":
