@@ -76,10 +76,12 @@ class FakeBalancer:
         self.steps = 0
         self.expert_load = None
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> None:
         self.steps += 1
         self.expert_load = torch.arange(1.0, N_FAKE_EXPERTS + 1).unsqueeze(0)
-        return {"moe/max_violation": 1.0 / self.steps}
+
+    def metrics(self) -> dict[str, float]:
+        return {"moe/max_violation": 1.0 / self.steps} if self.steps else {}
 
     def discard(self) -> None:
         """Nothing accumulates between steps."""
