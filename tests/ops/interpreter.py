@@ -4,7 +4,8 @@ The interpreter is picked when @triton.jit decorates and again when Triton lazil
 own helpers, so TRITON_INTERPRET=1 has to hold for a whole process: flipping it inside the pytest
 process fails in Triton 3.6 and would turn other tests' kernels into interpreted ones. So each
 op test file runs its cases in one child process (the file run as a module, from the repo root)
-that prints their reports as one JSON line, and its tests read them.
+that prints their reports as one JSON line, and its tests read them (the `results` fixture of
+conftest.py).
 """
 
 import json

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from tests.ops.interpreter import guarded, interpreted_reports
+from tests.ops.interpreter import guarded
 from titan_moe.ops import attn_res as attn_res_ops
 from titan_moe.ops.attn_res import attn_res_mix, attn_res_mix_naive, attn_res_mix_triton
 
@@ -91,12 +91,6 @@ def run_opcheck() -> dict:
     tests = ("test_schema", "test_autograd_registration")
     return {name: str(result) for name, result in
             torch.library.opcheck(attn_res_fwd, args, test_utils=tests).items()}
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a module)."""
-    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

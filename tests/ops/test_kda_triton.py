@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops.interpreter import guarded, interpreted_reports
+from tests.ops.interpreter import guarded
 
 FP32_RTOL = 1e-4  # float32 kernels (IEEE GEMMs) vs float64
 G_MIN = -5.0
@@ -124,12 +124,6 @@ def run_opcheck() -> dict:
     tests = ("test_schema", "test_autograd_registration")
     return {name: str(result) for name, result in
             torch.library.opcheck(chunk_kda_fwd, args, test_utils=tests).items()}
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a module)."""
-    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

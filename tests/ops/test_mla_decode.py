@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.ops.interpreter import guarded, interpreted_reports
+from tests.ops.interpreter import guarded
 from titan_moe.ops.mla_decode import mla_decode_attention_naive, split_layout
 
 FP32_RTOL = 1e-5
@@ -60,12 +60,6 @@ def run_opcheck() -> dict:
     return {name: str(result) for name, result in
             torch.library.opcheck(mla_decode_triton, (q, kv, valid, p, 0.3, 16),
                                   test_utils=tests).items()}
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a module)."""
-    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import titan_moe.ops.moe_dispatch as dispatch_module
-from tests.ops.interpreter import guarded, interpreted_reports
+from tests.ops.interpreter import guarded
 from titan_moe.model.moe import dispatch_layout
 from titan_moe.ops.moe_dispatch import (
     moe_combine,
@@ -130,12 +130,6 @@ def run_opcheck() -> dict:
     }
     return {f"{op}_{name}": str(outcome) for op, report in checks.items()
             for name, outcome in report.items()}
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a module)."""
-    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.ops.interpreter import guarded, interpreted_reports
+from tests.ops.interpreter import guarded
 from titan_moe.ops.router import qb_route, qb_route_naive
 from titan_moe.ops.router.histogram import qb_range
 
@@ -82,12 +82,6 @@ def run_opcheck() -> dict:
         test_utils=("test_schema", "test_autograd_registration"),
     )  # fmt: skip
     return {name: str(outcome) for name, outcome in checks.items()}
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a module)."""
-    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import titan_moe.ops.short_conv as short_conv_module
-from tests.ops.interpreter import guarded, interpreted_reports
+from tests.ops.interpreter import guarded
 from titan_moe.ops.short_conv import NORM_EPS, short_conv, short_conv_naive
 
 FP32_RTOL = 1e-5
@@ -129,12 +129,6 @@ def run_opcheck() -> dict:
                                                            16), test_utils=("test_schema",))
     report.update({f"bwd_{name}": str(outcome) for name, outcome in checks.items()})
     return report
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every interpreted case, from one child process (this file run as a module)."""
-    return interpreted_reports(__file__)
 
 
 @pytest.mark.parametrize("name", CASES)
