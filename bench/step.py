@@ -148,6 +148,9 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     labels = torch.roll(batch["input"], -1, dims=1)
     image_inputs = ([batch["patches"], batch["patch_pos"], batch["patch_image"]]
                     if inputs == "multimodal" else [])
+    # (compile.passes, compile.cudagraphs) of our compiled modes; None for eager and the anchor.
+    compiled = MODES.get(mode)
+    graphed = compiled is not None and compiled[1] and device == "cuda"
     torch.manual_seed(0)
     if mode == ANCHOR:
         model, flops = anchor_deepseek.build(opts.seq_len, args.vocab_size, device, opts.smoke)
@@ -156,16 +159,12 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
         with torch.device(device):
             model = TitanMoE(args)
         model.init_weights()
-        if MODES[mode] is not None:
-            passes, cudagraphs = MODES[mode]
-            apply_compile(model, "inductor", set(), passes=passes,
-                          cudagraphs=cudagraphs and device == "cuda")
+        if compiled is not None:
+            apply_compile(model, "inductor", set(), passes=compiled[0], cudagraphs=graphed)
         flops = flops_per_token(args, opts.seq_len)
         model_inputs = [batch["input"], batch["doc_ids"], *image_inputs]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
-
-    graphed = mode in MODES and MODES[mode] is not None and MODES[mode][1] and device == "cuda"
 
     def step() -> None:
         if graphed:  # the last step's graph outputs may be overwritten from here on
@@ -187,7 +186,7 @@ def bench_one(opts, inputs: str, mode: str, device: str) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
-    passes_matched = matched_counts() if MODES.get(mode) and MODES[mode][0] else {}
+    passes_matched = matched_counts() if compiled is not None and compiled[0] else {}
     ms = timed(step, device, max(opts.warmup - 1, 0), opts.iters)
     host_ms = host_issue_ms(step, device, opts.iters)
     trace = (opts.out.parent / f"trace-{inputs}-{mode.replace('+', '-')}.json.gz"
