@@ -9,11 +9,15 @@ can be measured and cut on any machine. The launches are the op's own: chunk_kda
 chunk_kda_bwd run on CPU tensors with the kernel launcher replaced by a recorder, and each
 recorded launch (arguments typed as the launcher types them: tensors by dtype, ints i32, Python
 floats fp32) is compiled once into an empty Triton cache. Prints a table (seconds, PTX and LLVM
-IR size, shared memory; registers are known only once loaded on a GPU), writes JSON. Figures are
-this host's CPU, not the GPU machine's; compare kernels and variants within one run.
+IR size, shared memory, and ptxas's own count of registers and spill bytes a thread: a spilling
+kernel keeps its tiles in local memory, which no tile choice on the GPU can hide), writes JSON.
+Figures are this host's CPU, not the GPU machine's; compare kernels and variants within one run.
 """
 
 import argparse
+import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,6 +98,20 @@ def source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
     return ASTSource(kernel, signature, constexprs=constexprs), options
 
 
+def resource_usage(ptx: str, arch: int) -> dict[str, int]:
+    """ptxas -v's registers a thread and spill bytes (stores + loads) for the PTX's kernel."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
+        file.write(ptx)
+        file.flush()
+        log = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", file.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"registers": int(registers.group(1)) if registers else -1,
+            "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else -1}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -117,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"kernel": kernel.fn.__name__, "seconds": time.perf_counter() - start,
                          "ptx_kb": len(compiled.asm["ptx"]) / 1e3,
                          "llir_kb": len(compiled.asm["llir"]) / 1e3,
-                         "shared_kb": compiled.metadata.shared / 1e3, **options})
-            print(f"{rows[-1]['kernel']:<28} {rows[-1]['seconds']:7.1f} s  "
-                  f"PTX {rows[-1]['ptx_kb']:6.0f} kB  LLIR {rows[-1]['llir_kb']:6.0f} kB  "
-                  f"shared memory {rows[-1]['shared_kb']:5.1f} kB", flush=True)
+                         "shared_kb": compiled.metadata.shared / 1e3, **options,
+                         **resource_usage(compiled.asm["ptx"], opts.arch)})
+            row = rows[-1]
+            print(f"{row['kernel']:<28} {row['seconds']:7.1f} s  PTX {row['ptx_kb']:6.0f} kB  "
+                  f"LLIR {row['llir_kb']:6.0f} kB  shared {row['shared_kb']:5.1f} kB  "
+                  f"regs {row['registers']:4d}  spills {row['spill_bytes']:6d} B", flush=True)
     print(f"{'total':<28} {sum(r['seconds'] for r in rows):7.1f} s (sm_{opts.arch}, "
           f"{opts.dtype}, H {opts.heads}, D {opts.head_dim}, docs {not opts.no_docs}, "
           f"fused gate {not opts.no_fused_gate}; this host's CPU)")

@@ -79,7 +79,8 @@ KERNEL_CLASSES = (
     ("attn_res / short_conv ops", ("attn_res", "short_conv")),
     ("gemm", ("triton_tem", "nvjet", "cutlass", "gemm", "sm90_xmma", "cublas")),
     ("inductor (fused)", ("triton_",)),
-    ("kda", ("chunk_", "state_scan", "intra_chunk", "kda", "wy_", "solve_tril", "delta_rule")),
+    ("kda", ("chunk_", "state_scan", "state_terms", "tile_products", "ut_transform",
+             "gate_cumsum", "kda", "wy_", "solve_tril", "delta_rule")),
     ("attention", ("flash", "fmha", "attention")),
     ("optimizer", ("multi_tensor_apply", "fusedoptimizer", "adam")),
 )

@@ -4,7 +4,9 @@ All cases run in one child process under Triton's interpreter (tests/ops/interpr
 why) that reports relative errors.
 `chunk_kda_torch` in float64 is the reference (it equals the recurrence to 1e-10,
 tests/ops/test_kda_reference.py). Outputs and every gradient are compared as relative RMS
-error, ||got - want|| / ||want||.
+error, ||got - want|| / ||want||: float32 inputs within 1e-4 (IEEE GEMMs); bf16 inputs (the
+bf16 tensor-core operands, emulated by rounding under the interpreter) within the bounds of the
+GPU test, 5e-3 for outputs and 2e-2 for gradients, against float64 on the same bf16 values.
 """
 
 import json
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from tests.ops.interpreter import guarded
 
 FP32_RTOL = 1e-4  # float32 kernels (IEEE GEMMs) vs float64
+BF16_O_RTOL, BF16_GRAD_RTOL = 5e-3, 2e-2  # tests/gpu/test_kda_triton_cuda.py's bounds
 G_MIN = -5.0
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -28,6 +31,12 @@ CASES = {
     "doc-ids-mid-chunk": (2, 100, 2, 16, 16, "random", "doc_ids", True),
     "cu-seqlens": (1, 150, 1, 16, 16, "random", "cu_seqlens", False),
     "fused-gate-K24-V80": (1, 70, 2, 24, 80, "fused", None, True),
+}
+# The same op on bf16 q, k, v, g, beta (fp32 states): name -> case as above.
+BF16_CASES = {
+    "bf16-T200-random": (1, 200, 2, 64, 64, "random", None, True),
+    "bf16-T130-pinned": (1, 130, 1, 64, 32, "pinned", None, True),
+    "bf16-doc-ids-fused-gate": (2, 100, 1, 32, 32, "fused", "doc_ids", True),
 }
 
 
@@ -67,11 +76,15 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states) -> dict:
-    """Triton op (float32) vs chunk_kda_torch (float64), outputs and gradients."""
+def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states,
+             dtype=torch.float32) -> dict:
+    """Triton op (q, k, v, g, beta in dtype) vs chunk_kda_torch (float64), outputs and
+    gradients."""
     from titan_moe.ops.kda import chunk_kda_torch, chunk_kda_triton, kda_gate
 
     q, k, v, g, beta, h0, (A_log, dt_bias) = make_inputs(batch, seq_len, heads, d_k, d_v, gate)
+    # The reference sees the values the op sees.
+    q, k, v, g, beta = (x.to(dtype).double() for x in (q, k, v, g, beta))
     ref_docs, doc = documents(doc_kind, batch, seq_len)
     leaves = [q, k, v, g, beta] + ([h0] if with_states else [])
     fused = gate == "fused"
@@ -91,20 +104,21 @@ def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states) -> di
         loss_ref = loss_ref + (s_ref * ds).sum()
     want = torch.autograd.grad(loss_ref, leaves)
 
-    ours = [x.detach().float().requires_grad_() for x in leaves]
+    ours = [x.detach().to(dtype if i < 5 else torch.float32).requires_grad_()
+            for i, x in enumerate(leaves)]
     gate_args = dict(A_log=ours[-2], dt_bias=ours[-1], g_min=G_MIN) if fused else {}
     # An exp beyond fp32's range inside a kernel surfaces as a NumPy RuntimeWarning.
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         o, s = chunk_kda_triton(*ours[:5], initial_state=ours[5] if with_states else None,
                                 output_final_state=with_states, doc=doc, **gate_args)
-        loss = (o * do.float()).sum()
+        loss = (o.float() * do.float()).sum()
         if with_states:
             loss = loss + (s * ds.float()).sum()
         got = torch.autograd.grad(loss, ours)
     names = list(GRADS[:5]) + (["initial_state"] if with_states else [])
     names += ["A_log", "dt_bias"] if fused else []
-    report = {"o": rel_rms(o, o_ref), "o_dtype_ok": o.dtype == torch.float32}
+    report = {"o": rel_rms(o, o_ref), "o_dtype_ok": o.dtype == dtype}
     report["final_state"] = rel_rms(s, s_ref) if with_states else None
     report.update({f"d_{n}": rel_rms(a, b) for n, a, b in zip(names, got, want, strict=True)})
     return report
@@ -138,6 +152,18 @@ def test_op_matches_float64_reference(results, name):
     assert (report["final_state"] is None) == (not CASES[name][-1])
 
 
+@pytest.mark.parametrize("name", BF16_CASES)
+def test_bf16_op_matches_float64_reference(results, name):
+    report = results[name]
+    assert "error" not in report, report.get("error")
+    assert report["o_dtype_ok"]
+    assert report["o"] <= BF16_O_RTOL, report["o"]
+    assert report["final_state"] <= BF16_O_RTOL, report["final_state"]
+    grads = {key: value for key, value in report.items() if key.startswith("d_")}
+    for key, value in grads.items():
+        assert value <= BF16_GRAD_RTOL, (key, value)
+
+
 def test_opcheck_schema_and_autograd(results):
     report = results["opcheck"]
     assert "error" not in report, report.get("error")
@@ -146,4 +172,5 @@ def test_opcheck_schema_and_autograd(results):
 
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    reports |= {name: guarded(run_case, *case, torch.bfloat16) for name, case in BF16_CASES.items()}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

@@ -104,10 +104,14 @@ def test_kda_kernels_write_only_their_outputs():
 
     got = written("titan_moe.ops.kda.chunk_triton", run)
     # The backward's launches of the forward kernels (recomputation) overwrite their entries.
-    assert got == {"chunk_intra_kernel": {"G_out", "A_qk", "KK", "Tinv", "W", "U"},
+    assert got == {"gate_cumsum_kernel": {"G_out"}, "tile_products_kernel": {"A_qk", "KK"},
+                   "ut_transform_kernel": {"Tinv", "W", "U", "K_d"},
                    "state_scan_fwd_kernel": {"h_states", "v_new"}, "chunk_output_kernel": {"o"},
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},
-                   "intra_chunk_bwd_kernel": {"dq", "dk", "dv", "dg", "dbeta"}}
+                   "state_terms_bwd_kernel": {"d_qg", "d_w", "d_kd", "d_gamma"},
+                   "ut_transform_bwd_kernel": {"dv", "dbeta", "dA", "dP"},
+                   "tile_products_bwd_kernel": {"dq", "dk", "dG"},
+                   "gate_cumsum_bwd_kernel": {"dg"}}
 
 
 def test_mla_decode_kernel_writes_only_its_outputs():

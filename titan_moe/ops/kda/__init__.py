@@ -3,10 +3,13 @@
     naive.py            the references: the token loop and the chunked form in plain PyTorch
     chunk.py            the entry points chunk_kda / chunk_kda_fused_gate and their CUDA backend
     chunk_triton.py     our Triton op (titan_moe::chunk_kda_fwd/bwd) over the kernels:
-      intra_chunk.py      per-chunk matrices (A_qk, W, U) and the gate's chunk cumsum
-      state_scan.py       the state carried across chunks, forward and backward
+      intra_chunk.py      what the chunk kernels share: the gate, tile factors, documents, GEMMs
+      gate_cumsum.py      G = the gate's cumsum within each chunk, and dg from dG
+      tile_products.py    A_qk and KK by 16-row tiles, and their backward into q, k and G
+      ut_transform.py     Tinv, W, U (and the keys decayed to the chunk's end), and backward
+      state_scan.py       the state carried across chunks, forward and backward, and the
+                          gradients through each chunk's use of its states
       chunk_output.py     O = (Gamma Q) S + A_qk V~
-      intra_chunk_bwd.py  the backward within a chunk
     fla_backend.py      fla-core's kernels as custom ops (the "fla" backend)
     recurrent_step.py   one token of the recurrence (decoding)
     gate.py, varlen.py  the lower-bounded gate; documents as cu_seqlens or a [B, T] index

@@ -1,7 +1,8 @@
 """Chunked KDA as a user-defined Triton op that torch.compile traces (fullgraph, no break).
 
-    forward:  chunk_intra -> state_scan_fwd -> chunk_output                      (3 kernels)
-    backward: chunk_intra, state_scan_fwd (recomputed), state_scan_bwd, intra_chunk_bwd (4)
+    forward:  gate_cumsum -> tile_products -> ut_transform -> state_scan_fwd -> chunk_output
+    backward: the forward's first four (recomputed) -> state_scan_bwd -> state_terms_bwd
+              -> ut_transform_bwd -> tile_products_bwd -> gate_cumsum_bwd
 
 `titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
 Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
@@ -22,15 +23,23 @@ from torch.library import triton_op, wrap_triton
 
 from titan_moe.ops.kda.chunk_output import chunk_output_kernel
 from titan_moe.ops.kda.gate import validate_gate_params
-from titan_moe.ops.kda.intra_chunk import CHUNK, SUBTILE, chunk_intra_kernel
-from titan_moe.ops.kda.intra_chunk_bwd import intra_chunk_bwd_kernel
+from titan_moe.ops.kda.gate_cumsum import gate_cumsum_bwd_kernel, gate_cumsum_kernel
+from titan_moe.ops.kda.intra_chunk import CHUNK, SUBTILE
 from titan_moe.ops.kda.naive import validate_kda_inputs
-from titan_moe.ops.kda.state_scan import state_scan_bwd_kernel, state_scan_fwd_kernel
+from titan_moe.ops.kda.state_scan import (
+    state_scan_bwd_kernel,
+    state_scan_fwd_kernel,
+    state_terms_bwd_kernel,
+)
+from titan_moe.ops.kda.tile_products import tile_products_bwd_kernel, tile_products_kernel
+from titan_moe.ops.kda.ut_transform import ut_transform_bwd_kernel, ut_transform_kernel
 
-# V blocks of the scans (the sequential part runs one program per V block and head) and of
-# the backward's inner loops; K blocks of the backward.
-BLOCK_V = 64
-BLOCK_K_BWD = 64
+# V blocks of the scans (the sequential part runs one program per V block and head: 32 gives
+# 64 programs at the proxy's 16 heads, and no spills) and of the other kernels' V loops.
+BLOCK_V = 32
+# K (and V) blocks of the parallel kernels: the tiles that fit in registers without spilling
+# (bench/kda_compile.py reports each kernel's registers and spills).
+BLOCK_INTRA = 32
 MAX_HEAD_DIM = 256
 
 
@@ -39,10 +48,17 @@ def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _blocks(d_k: int, d_v: int) -> tuple[int, int, int]:
+def _operand(x: Tensor) -> str:
+    """The GEMM operands of the kernels whose range argument allows bf16 (intra_chunk.mma)."""
+    if x.dtype == torch.float32:
+        return "ieee"
+    return "bf16_emulated" if triton.knobs.runtime.interpret else "bf16"
+
+
+def _blocks(d_k: int, d_v: int) -> tuple[int, int]:
+    """(the whole K padded to a power of two: the scans' state rows, the V block)."""
     block_k = max(triton.next_power_of_2(d_k), 16)
-    block_v = min(max(triton.next_power_of_2(d_v), 16), BLOCK_V)
-    return block_k, block_v, min(block_k, BLOCK_K_BWD)
+    return block_k, min(max(triton.next_power_of_2(d_v), 16), BLOCK_V)
 
 
 def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
@@ -50,37 +66,48 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
     padded = n_chunks * CHUNK
-    block_k, block_v, _ = _blocks(d_k, d_v)
+    block_k, block_v = _blocks(d_k, d_v)
+    block = min(block_k, BLOCK_INTRA)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(batch, padded, heads, d_k, **f32)
     A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
-    KK = torch.empty_like(A_qk) if store_bwd else None
+    KK = torch.empty_like(A_qk)
     Tinv = torch.empty_like(A_qk) if store_bwd else None
     W = torch.empty(batch, padded, heads, d_k, **f32)
+    K_d = torch.empty_like(W)
     U = torch.empty(batch, padded, heads, d_v, **f32)
-    wrap_triton(chunk_intra_kernel)[(n_chunks, batch * heads)](
-        q, k, v, g, beta, doc, A_log, dt_bias, G, A_qk, KK, Tinv, W, U, scale, g_min, seq_len,
-        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, SUBTILE=SUBTILE,
-        HAS_DOCS=doc is not None, FUSED_GATE=A_log is not None, STORE_BWD=store_bwd,
-        PRECISION=_precision(q), num_warps=8,
+    operand = _operand(q)
+    wrap_triton(gate_cumsum_kernel)[(n_chunks, triton.cdiv(d_k, block), batch * heads)](
+        g, A_log, dt_bias, G, g_min, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, FUSED_GATE=A_log is not None, num_warps=4,
     )  # fmt: skip
-    return G, A_qk, KK, Tinv, W, U
+    wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
+        q, k, G, doc, A_qk, KK, scale, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
+        OPERAND=operand, PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+    wrap_triton(ut_transform_kernel)[(n_chunks, batch * heads)](
+        k, v, G, beta, doc, KK, Tinv, W, U, K_d, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK,
+        HAS_DOCS=doc is not None, STORE_TINV=store_bwd, OPERAND=operand, num_warps=8,
+    )  # fmt: skip
+    return G, A_qk, KK, Tinv, W, U, K_d
 
 
-def _scan(k, G, W, U, doc, initial_state, output_final_state):
-    batch, seq_len, heads, d_k = k.shape
+def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precision):
+    batch, _, heads, d_k = K_d.shape
     d_v = U.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
-    block_k, block_v, _ = _blocks(d_k, d_v)
-    f32 = dict(device=k.device, dtype=torch.float32)
+    block_k, block_v = _blocks(d_k, d_v)
+    f32 = dict(device=K_d.device, dtype=torch.float32)
     h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
     v_new = torch.empty_like(U)
     final = torch.empty(batch, heads, d_k, d_v, **f32) if output_final_state else None
     wrap_triton(state_scan_fwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
-        k, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
+        K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=output_final_state,
-        PRECISION=_precision(k), num_warps=8,
+        PRECISION=precision, num_warps=8,
     )  # fmt: skip
     return h_states, v_new, final
 
@@ -103,15 +130,16 @@ def chunk_kda_fwd(
     """(o [B,T,H,V] in q's dtype, final state [B,H,K,V] fp32, empty unless asked for)."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
-    G, A_qk, _, _, W, U = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
-    h_states, v_new, final = _scan(k, G, W, U, doc, initial_state, output_final_state)
+    G, A_qk, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
+    h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
+                                   seq_len, _precision(q))
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
-    block_k, block_v, _ = _blocks(d_k, d_v)
+    block_k, block_v = _blocks(d_k, d_v)
     grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
     wrap_triton(chunk_output_kernel)[grid](
         q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=4,
+        PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
     return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
 
@@ -136,29 +164,50 @@ def chunk_kda_bwd(
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
-    block_k, block_v, block_k_bwd = _blocks(d_k, d_v)
-    G, A_qk, KK, Tinv, W, U = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
-    h_states, v_new, _ = _scan(k, G, W, U, doc, initial_state, False)
+    block_k, block_v = _blocks(d_k, d_v)
+    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
+    h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len, _precision(q))
 
     dh_states = torch.empty_like(h_states)
     dv_new = torch.empty_like(v_new)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
-        q, k, G, W, A_qk, doc, do, d_final, dh_states, dv_new, d_initial, scale, seq_len,
+        q, K_d, G, W, A_qk, doc, do, d_final, dh_states, dv_new, d_initial, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
 
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = torch.empty(g.shape, device=g.device, dtype=torch.float32)
-    dbeta = torch.empty(beta.shape, device=beta.device, dtype=torch.float32)
-    wrap_triton(intra_chunk_bwd_kernel)[(n_chunks, batch * heads)](
-        q, k, v, g, beta, doc, A_log, dt_bias, G, KK, Tinv, h_states, dh_states, v_new, dv_new,
-        do, dq, dk, dv, dg, dbeta, scale, g_min, seq_len,
-        H=heads, K=d_k, V=d_v, BKB=block_k_bwd, BV=block_v, C=CHUNK, SUBTILE=SUBTILE,
-        HAS_DOCS=doc is not None, FUSED_GATE=A_log is not None, PRECISION=_precision(q),
-        num_warps=8,
+    f32 = dict(device=q.device, dtype=torch.float32)
+    d_qg, d_w, d_kd, dG = (torch.empty_like(W) for _ in range(4))
+    d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
+    block = min(block_k, BLOCK_INTRA)
+    n_k_blocks = triton.cdiv(d_k, block)
+    wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
+        do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(beta.shape, **f32)
+    dA, dP = torch.empty_like(A_qk), torch.empty_like(KK)
+    wrap_triton(ut_transform_bwd_kernel)[(n_chunks, batch * heads)](
+        k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    wrap_triton(tile_products_bwd_kernel)[(n_chunks, CHUNK // SUBTILE * n_k_blocks,
+                                          batch * heads)](
+        q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
+        PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+    dg = torch.empty(g.shape, **f32)
+    wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
+        g, A_log, dt_bias, G, K_d, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
+        FUSED_GATE=A_log is not None, num_warps=4,
     )  # fmt: skip
     if d_initial is None:
         d_initial = q.new_empty(0, dtype=torch.float32)

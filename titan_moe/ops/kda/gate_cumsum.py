@@ -1,0 +1,83 @@
+"""The gate's cumsum within each chunk, in Triton: G = cumsum(g) from the chunk start (spec §3).
+
+With A_log and dt_bias (FUSED_GATE) g is computed here from the raw gate input, so no later
+kernel redoes the gate or the cumsum: they all read G. One program per (chunk, K block,
+batch*head); G is padded to Tp = cdiv(T, C) * C rows, the rows past T holding g = 0.
+"""
+
+import triton
+import triton.language as tl
+
+from titan_moe.ops.kda.intra_chunk import chunk_documents, kda_gate_from_raw
+
+
+@triton.jit
+def gate_cumsum_kernel(
+    g, A_log, dt_bias, G_out, g_min, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    FUSED_GATE: tl.constexpr,
+):  # fmt: skip
+    """G [B,Tp,H,K] fp32 from g [B,T,H,K] (the gate, or its raw input with FUSED_GATE)."""
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64.
+    g_min = tl.cast(g_min, tl.float32)
+    chunk, k_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    t0 = chunk * C
+    Tp = tl.num_programs(0) * C
+    rows = tl.arange(0, C)
+    cols_k = k_block * BK + tl.arange(0, BK)
+    k_ok = cols_k < K
+    in_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+    g_c = tl.load(g + ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
+                  mask=in_mask, other=0.0).to(tl.float32)
+    if FUSED_GATE:
+        A_log_h = tl.load(A_log + h).to(tl.float32)
+        dt_row = tl.load(dt_bias + h * K + cols_k, mask=k_ok, other=0.0).to(tl.float32)
+        g_c = tl.where(in_mask, kda_gate_from_raw(g_c, A_log_h, dt_row, g_min), 0.0)
+    tl.store(G_out + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
+             tl.cumsum(g_c, axis=0), mask=k_ok[None, :])
+
+
+@triton.jit
+def gate_cumsum_bwd_kernel(
+    g, A_log, dt_bias, G, K_d, d_kd, d_gamma, dG, doc, dg, g_min, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    HAS_DOCS: tl.constexpr, FUSED_GATE: tl.constexpr,
+):  # fmt: skip
+    """dg [B,T,H,K] fp32 (of g_raw with FUSED_GATE): the reverse cumsum of dG within the chunk.
+
+    gamma_C = exp(G_C) reaches G's last row twice: through K_d = (gamma_C / Gamma) K, as
+    sum_r K_d dK_d, and as the state's carry (when the chunk's last document continues from
+    the previous chunk), as gamma_C sum_v S dS = gamma_C d_gamma.
+    """
+    g_min = tl.cast(g_min, tl.float32)
+    chunk, k_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    n_chunks = tl.num_programs(0)
+    t0 = chunk * C
+    Tp = n_chunks * C
+    rows = tl.arange(0, C)
+    cols_k = k_block * BK + tl.arange(0, BK)
+    k_ok = cols_k < K
+    pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    dG_c = tl.load(dG + pad_offs, mask=k_ok[None, :], other=0.0)
+    k_d = tl.load(K_d + pad_offs, mask=k_ok[None, :], other=0.0)
+    d_kd_c = tl.load(d_kd + pad_offs, mask=k_ok[None, :], other=0.0)
+    G_end = tl.load(G + ((b * Tp + t0 + C - 1) * H + h) * K + cols_k, mask=k_ok, other=0.0)
+    d_gamma_c = tl.load(d_gamma + ((b * n_chunks + chunk) * H + h) * K + cols_k, mask=k_ok,
+                        other=0.0)
+    _, d_before, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    dG_end = tl.sum(k_d * d_kd_c, axis=0) + tl.where(d_last == d_before,
+                                                      tl.exp(G_end) * d_gamma_c, 0.0)
+    dG_c += tl.where(rows[:, None] == C - 1, dG_end[None, :], 0.0)
+    dg_c = tl.cumsum(dG_c, axis=0, reverse=True)
+    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    in_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+    if FUSED_GATE:
+        A_log_h = tl.load(A_log + h).to(tl.float32)
+        g_raw = tl.load(g + in_offs, mask=in_mask, other=0.0).to(tl.float32)
+        dt_row = tl.load(dt_bias + h * K + cols_k, mask=k_ok, other=0.0).to(tl.float32)
+        gate = tl.sigmoid(tl.exp(A_log_h) * (g_raw + dt_row[None, :]))
+        dg_c = dg_c * g_min * gate * (1.0 - gate) * tl.exp(A_log_h)
+    tl.store(dg + in_offs, dg_c, mask=in_mask)

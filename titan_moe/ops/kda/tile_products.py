@@ -1,0 +1,196 @@
+"""The decayed products of one chunk by 16-row tiles, in Triton: A_qk and KK (spec §3).
+
+    A_qk[r,j] = sum_c q_rc k_jc exp(G_rc - G_jc)   j <= r, same document
+    KK[r,j]   = sum_c k_rc k_jc exp(G_rc - G_jc)   j <  r, same document
+One program per (chunk, 16-row tile, batch*head), referenced at the tile's first row n
+(intra_chunk.py gives the numeric range), over K blocks:
+- the columns before the tile, one [16, BK] x [BK, C] GEMM on bf16 operands (OPERAND): both
+  factors exp(G_r - G_n) and exp(G_n - G_j) are <= 1 there;
+- the tile itself, a [16, BK] x [BK, 16] GEMM on fp32 operands (PRECISION: tf32 for bf16
+  inputs): it holds the diagonal q_r . k_r, the largest terms of the output, and rounding its
+  factored operands to bf16 tripled the output's error over bf16 inputs (8.6e-3 against 3.3e-3
+  relative RMS at d_k 64 under the interpreter; the bound is 5e-3).
+So no 64-row GEMM is masked down to 16 rows, and the tiles are small enough not to spill.
+"""
+
+import triton
+import triton.language as tl
+
+from titan_moe.ops.kda.intra_chunk import chunk_documents, mma
+
+
+@triton.jit
+def tile_products_kernel(
+    q, k, G, doc, A_qk, KK, scale, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SUBTILE: tl.constexpr,
+    HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A_qk, KK [B,Tp,H,C] fp32 (row r's products with the chunk's C tokens, masked)."""
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
+    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
+    scale = tl.cast(scale, tl.float32)
+    chunk, tile, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    t0 = chunk * C
+    Tp = tl.num_programs(0) * C
+    cols = tl.arange(0, C)
+    ref = tile * SUBTILE
+    rows = ref + tl.arange(0, SUBTILE)
+    before = cols < ref
+    A = tl.zeros((SUBTILE, C), dtype=tl.float32)
+    P = tl.zeros((SUBTILE, C), dtype=tl.float32)
+    A_tile = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
+    P_tile = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        cols_k = k0 + tl.arange(0, BK)
+        k_ok = cols_k < K
+        row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+        row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+        q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+        k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+        G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=k_ok[None, :], other=0.0)
+        G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok, other=0.0)
+        # Columns from the tile on load G = G_ref and k = 0: a factor of 1 times 0.
+        col_mask = before[:, None] & k_ok[None, :]
+        G_c = tl.load(G + ((b * Tp + t0 + cols) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=col_mask, other=0.0)
+        G_c = tl.where(before[:, None], G_c, G_ref[None, :])
+        k_c = tl.load(k + ((b * T + t0 + cols) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=col_mask & (t0 + cols < T)[:, None], other=0.0).to(tl.float32)
+        row_factor = tl.exp(G_r - G_ref[None, :])
+        q_decayed, k_decayed = q_r * row_factor, k_r * row_factor
+        k_before = tl.trans(k_c * tl.exp(G_ref[None, :] - G_c))
+        A += mma(q_decayed, k_before, OPERAND)
+        P += mma(k_decayed, k_before, OPERAND)
+        k_tile = tl.trans(k_r * tl.exp(G_ref[None, :] - G_r))
+        A_tile += mma(q_decayed, k_tile, PRECISION)
+        P_tile += mma(k_decayed, k_tile, PRECISION)
+    d_rows, _, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    d_cols, _, _ = chunk_documents(doc, b, t0, cols, T, C, HAS_DOCS)
+    same_doc = d_rows[:, None] == d_cols[None, :]
+    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C
+    # The strip holds zeros from the tile on; the tile's own columns come from the tile GEMMs.
+    outside = (cols[None, :] < ref) | (cols[None, :] >= ref + SUBTILE)
+    tl.store(A_qk + base + cols[None, :], tl.where(same_doc, A, 0.0), mask=outside)
+    tl.store(KK + base + cols[None, :], tl.where(same_doc, P, 0.0), mask=outside)
+    tile_cols = tl.arange(0, SUBTILE)
+    d_tile, _, _ = chunk_documents(doc, b, t0, ref + tile_cols, T, C, HAS_DOCS)
+    same_tile_doc = d_rows[:, None] == d_tile[None, :]
+    lower = tile_cols[:, None] >= tile_cols[None, :]
+    strict = tile_cols[:, None] > tile_cols[None, :]
+    tl.store(A_qk + base + ref + tile_cols[None, :], tl.where(lower & same_tile_doc, A_tile, 0.0))
+    tl.store(KK + base + ref + tile_cols[None, :], tl.where(strict & same_tile_doc, P_tile, 0.0))
+
+
+@triton.jit
+def tile_products_bwd_kernel(
+    q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, T,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SUBTILE: tl.constexpr,
+    HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dq, dk [B,T,H,K] in their inputs' dtype and dG [B,Tp,H,K] fp32 of one tile's rows.
+
+    The decayed products differentiate into a row's q and k (its row of dA_qk and dKK) and into
+    a column's k (its column): one program per (chunk, 16-row tile and K block, batch*head)
+    takes its tile's rows against the columns before the tile (referenced at the tile's first
+    row n), its tile's columns against the rows after it (referenced at the first row m after
+    the tile) and the tile against itself (at n), each GEMM on fp32 operands (PRECISION: tf32
+    for bf16 inputs). bf16 operands would fit the first two (factors <= 1), but the row and
+    column terms of dG cancel in sum (the products depend on differences of G only), and their
+    rounding then piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.6e-4 to
+    4.6e-3 relative RMS under the interpreter. With the state terms (state_scan.py's
+    state_terms_bwd_kernel) and M^T dW:
+        dq = d(Gamma Q) Gamma + dA_rr k + dq_A,   dk = (M^T dW) Gamma + dK_d (gamma_C / Gamma)
+             + dA_rr q + dk_A + dk_KK
+        dG = its factors' share of each term (row terms +, column terms -); dg is its reverse
+             cumsum within the chunk (gate_cumsum.py).
+    The diagonal of A_qk (exponent 0) enters dG as +q k dA_rr and -k q dA_rr, which cancel
+    exactly; through the tile GEMMs they would leave noise larger than dg itself when the gate
+    is pinned at g_min, so the GEMMs take dA's strict part and the diagonal goes to dq, dk alone.
+    """
+    scale = tl.cast(scale, tl.float32)
+    chunk, tile_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_k_blocks = tl.cdiv(K, BK)
+    tile, k_block = tile_block // n_k_blocks, tile_block % n_k_blocks
+    b, h = bh // H, bh % H
+    t0 = chunk * C
+    Tp = tl.num_programs(0) * C
+    ref = tile * SUBTILE
+    after = ref + SUBTILE
+    tile_cols = tl.arange(0, SUBTILE)
+    rows = ref + tile_cols
+    cols = tl.arange(0, C)
+    cols_k = k_block * BK + tl.arange(0, BK)
+    k_ok = cols_k < K
+
+    # The tile's rows, the whole chunk, and G at n, at m (the last row for the last tile: no row
+    # follows it, and its exponents stay <= 0) and at the chunk's end.
+    row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+    q_s = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+    k_s = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+    pad_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    G_s = tl.load(G + pad_rows, mask=k_ok[None, :], other=0.0)
+    G_row = G + (b * Tp + t0) * H * K + h * K + cols_k
+    G_n = tl.load(G_row + ref * H * K, mask=k_ok, other=0.0)
+    G_m = tl.load(G_row + tl.minimum(after, C - 1) * H * K, mask=k_ok, other=0.0)
+    G_end = tl.load(G_row + (C - 1) * H * K, mask=k_ok, other=0.0)
+    all_offs = ((b * T + t0 + cols) * H + h)[:, None] * K + cols_k[None, :]
+    all_mask = (t0 + cols < T)[:, None] & k_ok[None, :]
+    k_all = tl.load(k + all_offs, mask=all_mask, other=0.0).to(tl.float32)
+    q_all = tl.load(q + all_offs, mask=all_mask, other=0.0).to(tl.float32) * scale
+    pad_all = ((b * Tp + t0 + cols) * H + h)[:, None] * K + cols_k[None, :]
+    G_all = tl.load(G + pad_all, mask=k_ok[None, :], other=0.0)
+    before_rows = (cols < ref)[:, None]
+    after_rows = (cols >= after)[:, None]
+    # Exponents outside each strip are zeroed before the exp: they would overflow.
+    k_before = tl.where(before_rows, k_all * tl.exp(tl.where(before_rows, G_n[None, :] - G_all,
+                                                             0.0)), 0.0)
+    decay_after = tl.exp(tl.where(after_rows, G_all - G_m[None, :], 0.0))
+    q_after = tl.where(after_rows, q_all * decay_after, 0.0)
+    k_after = tl.where(after_rows, k_all * decay_after, 0.0)
+
+    # dA and dKK: the tile's rows left of it, its columns below it, the tile (strict), diagonal.
+    cc_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * C
+    left = (cols < ref)[None, :]
+    dA_rows = tl.load(dA + cc_rows + cols[None, :], mask=left, other=0.0)
+    dP_rows = tl.load(dP + cc_rows + cols[None, :], mask=left, other=0.0)
+    cc_cols = ((b * Tp + t0 + cols) * H + h)[:, None] * C + rows[None, :]
+    dA_cols = tl.load(dA + cc_cols, mask=after_rows, other=0.0)
+    dP_cols = tl.load(dP + cc_cols, mask=after_rows, other=0.0)
+    strict = tile_cols[:, None] > tile_cols[None, :]
+    dA_tile = tl.load(dA + cc_rows + rows[None, :], mask=strict, other=0.0)
+    dP_tile = tl.load(dP + cc_rows + rows[None, :], mask=strict, other=0.0)
+    dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
+
+    row_factor = tl.exp(G_s - G_n)  # <= 1
+    col_factor = tl.exp(G_n - G_s)  # <= exp(75), intra_chunk.py
+    after_factor = tl.exp(G_m - G_s)  # <= 1
+    k_tile = k_s * col_factor
+    dq_a = row_factor * (mma(dA_rows, k_before, PRECISION) + mma(dA_tile, k_tile, PRECISION))
+    dk_row = row_factor * (mma(dP_rows, k_before, PRECISION) + mma(dP_tile, k_tile, PRECISION))
+    dk_a = (after_factor * mma(tl.trans(dA_cols), q_after, PRECISION)
+            + col_factor * mma(tl.trans(dA_tile), q_s * row_factor, PRECISION))
+    dk_col = (after_factor * mma(tl.trans(dP_cols), k_after, PRECISION)
+              + col_factor * mma(tl.trans(dP_tile), k_s * row_factor, PRECISION))
+
+    # The state terms and M^T dW, M = Tinv Diag(beta).
+    d_qg_s = tl.load(d_qg + pad_rows, mask=k_ok[None, :], other=0.0)
+    d_kd_s = tl.load(d_kd + pad_rows, mask=k_ok[None, :], other=0.0)
+    d_w_all = tl.load(d_w + pad_all, mask=k_ok[None, :], other=0.0)
+    inv_cols = tl.load(Tinv + cc_cols)
+    beta_s = tl.load(beta + (b * T + t0 + rows) * H + h, mask=t0 + rows < T,
+                     other=0.0).to(tl.float32)
+    d_gk = beta_s[:, None] * mma(tl.trans(inv_cols), d_w_all, PRECISION)
+    d, _, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    decay = tl.exp(G_s)
+    to_end = tl.where((d == d_last)[:, None], tl.exp(G_end[None, :] - G_s), 0.0)
+
+    dq_c = d_qg_s * decay + dA_diag * k_s + dq_a
+    dk_c = d_gk * decay + d_kd_s * to_end + dA_diag * q_s + dk_a + dk_row + dk_col
+    dG_c = (q_s * (decay * d_qg_s + dq_a) + k_s * (decay * d_gk - to_end * d_kd_s - dk_a
+                                                    + dk_row - dk_col))
+    tl.store(dq + row_offs, (dq_c * scale).to(dq.dtype.element_ty), mask=row_mask)
+    tl.store(dk + row_offs, dk_c.to(dk.dtype.element_ty), mask=row_mask)
+    tl.store(dG + pad_rows, dG_c, mask=k_ok[None, :])
