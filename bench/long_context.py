@@ -3,8 +3,10 @@
     python bench/long_context.py --out lc.json                  # H200: proxy, 8K 64K 256K 1M
     python bench/long_context.py --tiny --out lc_cpu.json       # CPU smoke: debug, 2 layers
 
-What makes 1M tokens fit: full activation checkpointing of every decoder layer (torchtitan's
-apply_ac), KDA by chunks with a constant state (the Triton op), MLA through Flash Attention's
+What makes long contexts fit: full activation checkpointing of every decoder layer (torchtitan's
+apply_ac; --ac none to compare), with --offload the checkpoints' saved layer inputs in pinned host
+memory (torch.autograd.graph.save_on_cpu around the step, as training.activation_offload does),
+KDA by chunks with a constant state (the Triton op), MLA through Flash Attention's
 varlen kernel with document masking (no [T, T] mask), and the trainer's chunked loss
 (`training.loss_chunk`: the model runs under `hidden_from_head` and `ChunkedCrossEntropy` applies
 the head by chunks of --loss-chunk positions, so the [T, vocab] logits never exist). Parameters are
@@ -13,9 +15,12 @@ Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and
 torch.cuda.max_memory_allocated (also per 1K tokens); a length that runs out of memory is a row
 with status "oom" (its peak is the allocator's at the failure) and the next length still runs.
+Every row carries the memory plan's peak for the same step (`titan_moe.plan.memory.bench_estimate`)
+and, measured on CUDA, planned / measured (the plan's target: within 0.85 .. 1.15).
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import time
@@ -25,20 +30,27 @@ from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from titan_moe.cli_args import non_negative, positive
-from titan_moe.model.args import get_flavor
+from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.parallelize import apply_compile
+from titan_moe.plan.memory import GIB, PlanConfig, bench_estimate
 from titan_moe.train.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
 
 LENGTHS = "8192,65536,262144,1048576"
 TINY_LENGTHS = "128,256"
 
 
-def build(flavor: str, n_layers: int | None, device: str, dtype: torch.dtype) -> TitanMoE:
+def model_args(flavor: str, n_layers: int | None) -> TitanMoEArgs:
     args = get_flavor(flavor)
     if n_layers is not None:
         args.n_layers, args.mla_layers = n_layers, (n_layers,)
+    return args.validate()
+
+
+def build(args: TitanMoEArgs, device: str, dtype: torch.dtype, ac: str,
+          compile_model: bool = False) -> TitanMoE:
     with torch.device("meta"):
-        model = TitanMoE(args.validate())
+        model = TitanMoE(args)
     model.to_empty(device=device)
     model.init_weights()
     model.to(dtype)
@@ -46,13 +58,27 @@ def build(flavor: str, n_layers: int | None, device: str, dtype: torch.dtype) ->
         for name, buf in module.named_buffers(recurse=False):
             if buf.is_floating_point():
                 setattr(module, name, buf.float())
-    apply_ac(model, ActivationCheckpoint(mode="full"))
+    if ac == "full":
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+    if compile_model:  # per sublayer, as the trainer compiles (what the memory plan assumes)
+        apply_compile(model, "inductor", set())
     return model
 
 
+def planned_peak_gib(args: TitanMoEArgs, length: int, ac: str, loss_chunk: int,
+                     offload: bool) -> float:
+    """The memory plan's peak for this step: batch 1, bf16 weights and gradients."""
+    cfg = PlanConfig(args, length, 1, ac, "1", loss_chunk, offload)
+    return bench_estimate(cfg).peak / GIB
+
+
 def step(model: TitanMoE, loss_fn: ChunkedCrossEntropy, tokens: torch.Tensor,
-         labels: torch.Tensor, doc_ids: torch.Tensor) -> float:
-    with hidden_from_head(model.output):
+         labels: torch.Tensor, doc_ids: torch.Tensor, offload: bool = False) -> float:
+    # The checkpoints' hooks sit inside save_on_cpu's: only the layer inputs (and what is saved
+    # outside the layers) go to the host; the recompute in backward stays on the GPU.
+    saved = (torch.autograd.graph.save_on_cpu(pin_memory=tokens.is_cuda) if offload
+             else contextlib.nullcontext())
+    with saved, hidden_from_head(model.output):
         loss = loss_fn(model(tokens, doc_ids), labels)
     loss.backward()
     value = loss.item() / tokens.numel()
@@ -66,7 +92,7 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len: int,
-            device: str, warmup: int, iters: int) -> dict:
+            device: str, warmup: int, iters: int, offload: bool = False) -> dict:
     vocab = model.output.weight.shape[0]
     row = {"seq_len": length, "doc_len": min(doc_len, length)}
     if device == "cuda":
@@ -77,13 +103,14 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
         tokens = torch.randint(0, vocab, (1, length + 1), device=device)
         doc_ids = (torch.arange(length, device=device) // doc_len).to(torch.int32)[None]
         for _ in range(warmup):
-            step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids)
+            step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload)
         times = []
         for _ in range(iters):
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            row["loss_per_token"] = step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids)
+            row["loss_per_token"] = step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids,
+                                         offload)
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -118,6 +145,13 @@ def main() -> None:
     parser.add_argument("--doc-len", type=positive, default=65536, help="tokens per document")
     parser.add_argument("--loss-chunk", type=positive, default=CHUNK,
                         help="positions per chunk of the loss (training.loss_chunk)")
+    parser.add_argument("--ac", choices=("full", "none"), default="full",
+                        help="activation checkpointing of every decoder layer, or none")
+    parser.add_argument("--offload", action="store_true",
+                        help="saved layer inputs to pinned host memory (needs --ac full)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile per sublayer with the trainer's passes (the plan "
+                             "assumes it: fused SiTU-GLU and RMSNorm save only their inputs)")
     parser.add_argument("--warmup", type=non_negative, default=1)
     parser.add_argument("--iters", type=positive, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -134,22 +168,33 @@ def main() -> None:
         parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
     if args.loss_chunk < 1 or any(n < 1 for n in lengths):
         parser.error("--lengths and --loss-chunk must be positive integers")
-    model = build(args.flavor, args.n_layers, device, dtype)
+    if args.offload and args.ac != "full":
+        parser.error("--offload needs --ac full")
+    model_cfg = model_args(args.flavor, args.n_layers)
+    model = build(model_cfg, device, dtype, args.ac, args.compile)
     loss_fn = ChunkedCrossEntropy(model.output, args.loss_chunk)
     print(f"{'seq_len':>9} {'status':>6} {'step s':>9} {'us/token':>9} {'max GiB':>8} "
-          f"{'GiB/1K tok':>10}")
+          f"{'GiB/1K tok':>10} {'plan GiB':>8} {'plan/max':>8}")
     rows = []
     for length in lengths:
-        r = measure(model, loss_fn, length, args.doc_len, device, args.warmup, args.iters)
+        r = measure(model, loss_fn, length, args.doc_len, device, args.warmup, args.iters,
+                    args.offload)
+        r["planned_peak_gib"] = planned_peak_gib(model_cfg, length, args.ac, args.loss_chunk,
+                                                 args.offload)
+        if "max_memory_allocated_gib" in r:
+            r["planned_over_measured"] = r["planned_peak_gib"] / r["max_memory_allocated_gib"]
         rows.append(r)
         print(f"{r['seq_len']:>9} {r['status']:>6} {r.get('step_s', float('nan')):>9.3f} "
               f"{r.get('us_per_token', float('nan')):>9.2f} "
               f"{r.get('max_memory_allocated_gib', float('nan')):>8.2f} "
-              f"{r.get('gib_per_1k_tokens', float('nan')):>10.4f}", flush=True)
+              f"{r.get('gib_per_1k_tokens', float('nan')):>10.4f} "
+              f"{r['planned_peak_gib']:>8.2f} {r.get('planned_over_measured', float('nan')):>8.3f}",
+              flush=True)
         if args.out:  # after every length, so a crash keeps the rows measured so far
             with open(args.out, "w") as f:
-                json.dump({"flavor": args.flavor, "device": device,
-                           "loss_chunk": args.loss_chunk, "rows": rows}, f, indent=2)
+                json.dump({"flavor": args.flavor, "device": device, "ac": args.ac,
+                           "offload": args.offload, "loss_chunk": args.loss_chunk,
+                           "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatc
     bench = load_bench("long_context")
     seen = []
 
-    def fake_step(model, loss_fn, tokens, labels, doc_ids):
+    def fake_step(model, loss_fn, tokens, labels, doc_ids, offload=False):
         seen.append(tokens.shape[1])
         if tokens.shape[1] == 128:
             raise torch.OutOfMemoryError("out of memory (simulated)")
@@ -31,3 +31,26 @@ def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatc
     assert seen == [64, 128, 192]
     table = capsys.readouterr().out
     assert "128    oom" in table and "192     ok" in table
+
+
+def test_offload_step_runs_on_cpu_and_rows_carry_the_plan(tmp_path, monkeypatch):
+    # A real step (no fake) with the layer inputs saved through save_on_cpu: the loss matches
+    # the step without offload, and every row carries the plan's peak for its length.
+    bench = load_bench("long_context")
+    losses = {}
+    for offload in (False, True):
+        out = tmp_path / f"lc{offload}.json"
+        argv = ["long_context.py", "--tiny", "--lengths", "64,128", "--out", str(out)]
+        monkeypatch.setattr(sys, "argv", argv + (["--offload"] if offload else []))
+        torch.manual_seed(0)
+        bench.main()
+        result = json.loads(out.read_text())
+        assert result["offload"] is offload and result["ac"] == "full"
+        rows = result["rows"]
+        assert all(r["status"] == "ok" for r in rows)
+        # More positions, no fewer planned bytes (at this size the gradients outweigh the
+        # activations); no CUDA here: no measured peak, no ratio.
+        assert 0 < rows[0]["planned_peak_gib"] <= rows[1]["planned_peak_gib"]
+        assert all("planned_over_measured" not in r for r in rows)
+        losses[offload] = [r["loss_per_token"] for r in rows]
+    assert losses[True] == losses[False]

@@ -1,5 +1,7 @@
 """The memory plan's arithmetic against hand counts at tiny size."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,11 +11,13 @@ from titan_moe.plan.cli import main
 from titan_moe.plan.memory import (
     GB,
     HEADROOM,
+    Activations,
     ParamCounts,
     activation_bytes,
     ep_degrees,
     estimate,
     fewest_gpus,
+    head_activation_bytes,
     layer_activation_bytes,
     parameter_counts,
     saved_bytes,
@@ -25,10 +29,10 @@ def test_saved_bytes_counts_each_storage_once_and_skips_excluded():
     x = torch.randn(3, 8, requires_grad=True)
     params = [lin1.weight, lin2.weight]
     # Linear saves its input (3·8 fp32 = 96 B) and weight (excluded); relu its output (3·4·4).
-    assert saved_bytes(lambda: lin1(x), params) == 96
-    assert saved_bytes(lambda: lin1(x) + lin2(x), params) == 96
-    assert saved_bytes(lambda: torch.relu(lin1(x)), params) == 96 + 48
-    assert saved_bytes(lambda: lin1(x), params + [x]) == 0
+    assert saved_bytes(lambda: lin1(x), params) == (96, 96)
+    assert saved_bytes(lambda: lin1(x) + lin2(x), params) == (96, 96)
+    assert saved_bytes(lambda: torch.relu(lin1(x)), params) == (96 + 48, 96)
+    assert saved_bytes(lambda: lin1(x), params + [x]) == (0, 0)
 
 
 def test_parameter_counts_match_the_model(tiny):
@@ -44,7 +48,7 @@ def test_parameter_counts_match_the_model(tiny):
 def test_estimate_arithmetic_by_hand(tiny):
     counts = ParamCounts(total=8000, experts=6000, embedding=100, output=100,
                          largest_layer_dense=300, largest_layer_experts=2000)
-    e = estimate(tiny, gpus=4, ep=2, counts=counts, activations=5000.0)
+    e = estimate(tiny, gpus=4, ep=2, counts=counts, activations=Activations(5000.0, 0.0))
     assert (e.parameters, e.gradients, e.optimizer) == (8000.0, 8000.0, 16000.0)
     assert e.working == 10 * (300 + 2000 / 2) + 2 * 100
     assert e.peak == 8000 + 16000 + 13200 + max(5000, 8000)
@@ -52,20 +56,24 @@ def test_estimate_arithmetic_by_hand(tiny):
 
 def test_full_ac_activations_compose_as_documented(tiny):
     args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
-    stream = b * t * args.dim * 2
+    stream, v = b * t * args.dim * 2, args.vocab_size
     layers = [layer_activation_bytes(args, i, b, t) for i in range(args.n_layers)]
+    recompute = max(s.total + 2 * s.largest for s in layers)
+    head = head_activation_bytes(args, b, t).total
     n_blocks = 2  # 3 layers in AttnRes blocks of 2
-    want = 3 * stream + 12 * b * t * args.vocab_size + max(layers) + (n_blocks + 1) * stream
-    assert activation_bytes(tiny) == want
-    no_ac = type(tiny)(tiny.args, t, b, "none", "2")
-    assert activation_bytes(no_ac) == sum(layers) + 3 * stream + 12 * b * t * args.vocab_size
+    tail = 2 * stream + head
+    want = 3 * stream + tail + max(12 * b * t * v, recompute + (n_blocks + 1) * stream)
+    assert activation_bytes(tiny) == (want, 0)
+    no_ac = replace(tiny, ac_mode="none")
+    assert activation_bytes(no_ac) == (sum(s.total for s in layers) + 3 * stream + tail
+                                       + 12 * b * t * v, 0)
 
 
 def test_layer_activations_scale_with_tokens(tiny):
     args = tiny.args
     dense, moe = (layer_activation_bytes(args, i, 2, 64) for i in (0, 1))
-    assert moe > 0 and dense > 0
-    assert layer_activation_bytes(args, 1, 4, 64) == pytest.approx(2 * moe, rel=0.05)
+    assert moe.total > 0 and dense.total > 0
+    assert layer_activation_bytes(args, 1, 4, 64).total == pytest.approx(2 * moe.total, rel=0.05)
 
 
 def test_ep_degrees_divide_gpus_and_experts():
@@ -99,4 +107,4 @@ def test_kda_layers_are_counted_as_the_triton_op_not_the_pytorch_path(tiny, monk
         raise AssertionError("the memory plan ran the PyTorch KDA path")
 
     monkeypatch.setattr(kda_ops, "chunk_kda_torch", forbidden)
-    assert layer_activation_bytes(tiny.args, 0, 2, 64) > 0
+    assert layer_activation_bytes(tiny.args, 0, 2, 64).total > 0

@@ -1,10 +1,14 @@
-"""Per-GPU memory plan for FSDP2 × expert-parallel layouts, and the fewest GPUs a model fits on.
+"""Per-GPU memory plan for FSDP2 × expert-parallel × context-parallel layouts, and the fewest
+GPUs a model fits on; also the long-context bench's step (`bench_estimate`).
 
+    python -m titan_moe.plan --config configs/stages/1m.toml
     python -m titan_moe.plan --config configs/full.toml --gpus 1024 --gpu-mem 141
     python -m titan_moe.plan --config configs/proxy.toml --validate      (one CUDA GPU)
 
-The plan follows parallelize.py on N GPUs with EP degree ep (efsdp = N / ep), P parameters,
-L the unsharded bytes of the largest layer (dense part + E/ep experts, bf16), b·T tokens a GPU:
+On N GPUs with EP degree ep or CP degree cp (CP runs without EP, as the trainer requires), P
+parameters, L the unsharded bytes of the largest layer (dense part + E/ep experts, bf16), a GPU
+holding b rows of t = T / cp positions, s = 2 b t d (one bf16 residual stream), V the vocabulary,
+S the AttnRes block size, n layers, B = ceil(n / S) blocks:
 
     parameters   4 P / N            fp32 master weights, every parameter sharded over N ranks
     gradients    4 P / N            fp32 sharded gradients (present by the end of backward)
@@ -12,40 +16,75 @@ L the unsharded bytes of the largest layer (dense part + E/ep experts, bf16), b�
     working      10 L + 2 V d       backward of one layer: its bf16 params, the next layer's
                                     (prefetch), bf16 grads and their fp32 copy for the
                                     reduce-scatter; the LM head, kept unsharded fwd -> bwd
-    activations  saved for backward at the start of backward, under the AC policy, plus the
-                 loss (fp32 log-softmax, its gradient and the logits' gradient: 12 b T V) and,
-                 with AC, one layer recomputed
+    activations  saved + max(loss phase, layer backward), where
+      saved      layers not checkpointed: what each saves; every layer's incoming partial sum
+                 (n s: the checkpoint inputs, the blocks among them); the tail: the last partial
+                 sum, the final site's and norm's saves, the loss's hidden input (2 s + ...), and
+                 chunked, its fp32 log-sum-exp and int64 labels (12 b t)
+      offload    (training.activation_offload: save_on_cpu) the checkpoints' saves go to the host,
+                 n (s + 4 b t) with the doc ids, and the tail with the final site's sources and
+                 the head weight; the last block list (B s), held by reference, stays on the GPU
+      loss phase chunked (training.loss_chunk = c): 12 c V (one chunk's logits and gradient)
+                 + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
+      layer bwd  with AC, the largest over layers of its recompute's saves + 2 × its largest
+                 saved tensor (an op's output and input gradients), + (B + 1) s (gradients of the
+                 residual sources) + the offloaded inputs brought back (s + 4 b t)
+    host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
+    bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer
 
 Gradients grow while the saved activations drain during backward, both about linearly, so the
 larger of the two ends is the peak. Per-layer saved activations are counted by running the
-layer on the meta device with saved-tensor hooks (each storage once, parameters excluded), with
-stand-ins that save what the CUDA kernels save: flash attention (q, k, v, out, fp32 logsumexp),
-the KDA Triton op (its inputs; it recomputes the rest), torch._grouped_mm (its operands).
+layer on the meta device with saved-tensor hooks (each storage once, parameters excluded) under
+what the compiled CUDA step runs: the Triton ops themselves (AttnRes, short conv, router, MoE
+dispatch and combine: their fake kernels run on meta and their autograd saves what CUDA saves),
+stand-ins for flash attention (q, k, v, out, fp32 logsumexp), the KDA op (its inputs) and
+torch._grouped_mm (its operands), and SiTU-GLU and RMSNorm as Inductor fuses them (inputs only).
+Approximate: the other eager elementwise saves inside the mixers and the router's fp32 input
+copy (Inductor may recompute them: the plan is high there), the backward's transient as twice
+the largest saved tensor, MLA's gathered prefix under CP (not counted), allocator fragmentation
+(in the 10% headroom).
 """
 
 import contextlib
 import math
 import tomllib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 from unittest import mock
 
 import torch
 
+from titan_moe.model import attn_res as attn_res_module
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import moe as moe_module
+from titan_moe.model import router as router_module
+from titan_moe.model import situ_glu as situ_glu_module
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
+from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.model import DecoderLayer, TitanMoE
+from titan_moe.model.norm import RMSNorm
+from titan_moe.ops.attn_res import attn_res_mix_triton
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
+from titan_moe.ops.moe_dispatch import moe_combine_triton, moe_dispatch_triton
+from titan_moe.ops.router import qb_route_triton
+from titan_moe.ops.short_conv.short_conv_triton import short_conv_triton
 from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 from titan_moe.parallel.pipeline import boundary_tensors
 
 GB = 1e9
+GIB = 2**30
 ACT_BYTES = 2  # bf16 activations under FSDP2's bf16 param policy
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+BENCH_BYTES = 2  # bench/long_context.py: bf16 weights and gradients, no master copy, no optimizer
+DOC_ID_BYTES, LABEL_BYTES, LSE_BYTES = 4, 8, 4  # int32 doc ids, int64 labels, fp32 log-sum-exp
 HEADROOM = 0.9  # of the GPU's memory: allocator fragmentation, NCCL buffers, CUDA context
+HOST_MEM_GB = 128 * GIB / GB  # host RAM of the one-H200 machine the long-context bench runs on
+HOST_HEADROOM = 0.9  # of the host's memory: the process, the data loader, the page cache
+AC_MODES = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -55,6 +94,9 @@ class PlanConfig:
     local_batch: int
     ac_mode: str
     selective_ac_option: str
+    loss_chunk: int = 0  # training.loss_chunk: positions a chunk of the LM-head loss; 0: full
+    offload: bool = False  # training.activation_offload: saved tensors to pinned host memory
+    cp: int = 1  # parallelism.context_parallel_degree: a GPU holds seq_len / cp positions
 
 
 @dataclass(frozen=True)
@@ -75,6 +117,16 @@ class ParamCounts:
                 - self.output)
 
 
+class Activations(NamedTuple):
+    device: float  # activation bytes on the GPU at the step's peak
+    host: float  # bytes offloaded to pinned host memory at the end of forward
+
+
+class Saved(NamedTuple):
+    total: int  # bytes of the distinct storages saved for backward
+    largest: int  # the largest of them
+
+
 @dataclass(frozen=True)
 class Estimate:
     gpus: int
@@ -85,13 +137,26 @@ class Estimate:
     working: float
     activations: float
     peak: float
+    cp: int = 1
+    host: float = 0.0  # pinned host bytes per GPU (offloaded activations)
 
-    def fits(self, gpu_mem_gb: float, headroom: float = HEADROOM) -> bool:
-        return self.peak <= headroom * gpu_mem_gb * GB
+    def fits(self, gpu_mem_gb: float, host_mem_gb: float = HOST_MEM_GB,
+             headroom: float = HEADROOM) -> bool:
+        return (self.peak <= headroom * gpu_mem_gb * GB
+                and self.host <= HOST_HEADROOM * host_mem_gb * GB)
+
+
+def _field(table: dict, section: str, key: str, kind: type, default, valid, allowed: str):
+    value = table.get(section, {}).get(key, default)
+    # bool is an int subclass: a flag given as a count (or a count as a flag) is a mistake.
+    if type(value) is not kind or not valid(value):
+        raise ConfigError(f"{section}.{key} = {value!r}: allowed {allowed}")
+    return value
 
 
 def load_plan_config(path: str) -> PlanConfig:
-    """The model, sequence length, batch and AC policy of a TOML (nothing else is needed)."""
+    """The model, sequence length, batch, AC policy, loss chunk, activation offload and context
+    parallelism of a TOML (nothing else is needed)."""
     with open(path, "rb") as f:
         toml = tomllib.load(f)
     model = toml.get("model", {})
@@ -100,13 +165,22 @@ def load_plan_config(path: str) -> PlanConfig:
     ac = toml.get("activation_checkpoint", {})
     mode = ac.get("mode", "selective")
     option = str(ac.get("selective_ac_option", "2"))
-    if mode not in ("none", "full", "selective") or (mode == "selective" and not option.isdigit()):
+    if mode not in AC_MODES or (mode == "selective" and not option.isdigit()):
         raise ConfigError(
             f"activation_checkpoint mode {mode!r} / selective_ac_option {option!r}: the plan "
             "models none, full and layer-selective (a digit) checkpointing"
         )
-    return PlanConfig(args, training.get("seq_len", 2048), training.get("local_batch_size", 8),
-                      mode, option)
+    seq_len = training.get("seq_len", 2048)
+    loss_chunk = _field(toml, "training", "loss_chunk", int, 0, lambda n: n >= 0,
+                        "an integer >= 0 (0: full logits)")
+    offload = _field(toml, "training", "activation_offload", bool, False,
+                     lambda on: not on or mode == "full",
+                     "true (with activation_checkpoint.mode = 'full') or false")
+    cp = _field(toml, "parallelism", "context_parallel_degree", int, 1,
+                lambda n: n >= 1 and not seq_len % (n * KDA_CHUNK_SIZE),
+                f"an integer >= 1 with seq_len a multiple of it x {KDA_CHUNK_SIZE}")
+    return PlanConfig(args, seq_len, training.get("local_batch_size", 8), mode, option,
+                      loss_chunk, offload, cp)
 
 
 def parameter_counts(args: TitanMoEArgs) -> ParamCounts:
@@ -130,8 +204,8 @@ def parameter_counts(args: TitanMoEArgs) -> ParamCounts:
     )
 
 
-def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves while `run()` executes, minus `exclude`'s."""
+def saved_bytes(run, exclude: list[torch.Tensor]) -> Saved:
+    """The distinct storages autograd saves while `run()` executes, minus `exclude`'s."""
     skip = {t.untyped_storage()._cdata for t in exclude}
     # Holding each storage keeps its address from being reused by a later one within the run
     # (a branch whose graph is dropped frees its saved tensors), which would count two as one.
@@ -145,7 +219,8 @@ def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
-    return sum(s.nbytes() for s in seen.values())
+    sizes = [s.nbytes() for s in seen.values()]
+    return Saved(sum(sizes), max(sizes, default=0))
 
 
 class _SavesForBackward(torch.autograd.Function):
@@ -176,33 +251,91 @@ def _grouped_gemm(x, w, offs, zero_padding_rows=True):
     return torch._grouped_mm(x, w.to(x.dtype), offs=offs)
 
 
+def _short_conv(x, weight, doc_ids=None, head_dim=None):
+    docs = None if doc_ids is None else doc_ids.to(torch.int32)
+    return short_conv_triton(x, weight, docs, head_dim or 0)
+
+
+def _qb_route(logits, bias, top_k, route_scale=1.0, n_bins=1000, valid=None,
+              with_histogram=True):
+    return qb_route_triton(logits, bias, valid, top_k, route_scale, n_bins, with_histogram)
+
+
+# Inductor fuses an elementwise chain into one kernel and its partitioner saves the chain's
+# inputs, recomputing the fp32 intermediates that eager autograd would save.
+def _situ_glu(a, b, beta1=4.0, beta2=25.0):
+    return _SavesForBackward.apply(a, a, b)
+
+
+def _rms_norm(self, x):
+    return _SavesForBackward.apply(x, x, x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))
+
+
 @contextlib.contextmanager
 def _cuda_kernel_stand_ins() -> Iterator[None]:
-    sdpa = mock.patch.object(mla_module.F, "scaled_dot_product_attention", _flash_attention)
-    # The layer binds its recurrence at class level, so the stand-in replaces it there.
-    kda = mock.patch.object(kda_module.KimiDeltaAttention, "sequence_recurrence",
-                            staticmethod(_kda_triton_op))
-    gmm = mock.patch.object(moe_module, "grouped_mm", _grouped_gemm)
-    # torch.autocast has no meta device; the model only uses it to switch AMP off.
-    amp = mock.patch.object(torch, "autocast", lambda *a, **k: contextlib.nullcontext())
-    with sdpa, kda, gmm, amp:
+    """What the compiled CUDA step saves: Flash attention and the KDA op by stand-ins; the
+    Triton ops (AttnRes, short conv, router, MoE dispatch and combine) themselves, whose fake
+    kernels run on meta and whose autograd saves what CUDA saves; SiTU-GLU and RMSNorm as
+    Inductor fuses them."""
+    patches = [
+        mock.patch.object(mla_module.F, "scaled_dot_product_attention", _flash_attention),
+        # The layer binds its recurrence and conv at class level, so the stand-ins go there.
+        mock.patch.object(kda_module.KimiDeltaAttention, "sequence_recurrence",
+                          staticmethod(_kda_triton_op)),
+        mock.patch.object(kda_module.KimiDeltaAttention, "sequence_conv_act",
+                          staticmethod(_short_conv)),
+        mock.patch.object(moe_module, "grouped_mm", _grouped_gemm),
+        mock.patch.object(moe_module, "moe_dispatch", moe_dispatch_triton),
+        mock.patch.object(moe_module, "moe_combine", moe_combine_triton),
+        mock.patch.object(moe_module, "situ_glu", _situ_glu),
+        mock.patch.object(situ_glu_module, "situ_glu", _situ_glu),
+        mock.patch.object(router_module, "qb_route", _qb_route),
+        mock.patch.object(attn_res_module, "ops_attn_res_mix", attn_res_mix_triton),
+        mock.patch.object(RMSNorm, "forward", _rms_norm),
+        # torch.autocast has no meta device; the model only uses it to switch AMP off.
+        mock.patch.object(torch, "autocast", lambda *a, **k: contextlib.nullcontext()),
+    ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
         yield
 
 
-def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_len: int) -> int:
-    """Bytes one decoder layer saves for backward (its inputs excluded), bf16 with fp32 islands."""
+def _bf16_with_fp32_islands(module: torch.nn.Module) -> torch.nn.Module:
+    module.to(torch.bfloat16)
+    for sub in module.modules():
+        if isinstance(sub, FP32_MODULES):
+            sub.float()
+    return module
+
+
+def _sources(args: TitanMoEArgs, n: int, batch: int, seq_len: int) -> list[torch.Tensor]:
+    return [torch.empty(batch, seq_len, args.dim, dtype=torch.bfloat16, device="meta",
+                        requires_grad=True) for _ in range(n)]
+
+
+def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_len: int) -> Saved:
+    """What one decoder layer saves for backward (its inputs excluded), bf16 with fp32 islands:
+    under full AC, what its recompute holds in backward."""
     with torch.device("meta"):
-        layer = DecoderLayer(layer_id, args).to(torch.bfloat16)
-        for module in layer.modules():
-            if isinstance(module, FP32_MODULES):
-                module.float()
-        # Entering layer i: the embedding, every finished block and the partial sum.
-        n_sources = boundary_tensors(args.attn_res_block_size, layer_id)
-        sources = [torch.empty(batch, seq_len, args.dim, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(n_sources)]
+        layer = _bf16_with_fp32_islands(DecoderLayer(layer_id, args))
+    # Entering layer i: the embedding, every finished block and the partial sum.
+    sources = _sources(args, boundary_tensors(args.attn_res_block_size, layer_id), batch, seq_len)
     params = list(layer.parameters())
     with _cuda_kernel_stand_ins():
         return saved_bytes(lambda: layer(sources[:-1], sources[-1], None), params + sources)
+
+
+def head_activation_bytes(args: TitanMoEArgs, batch: int, seq_len: int) -> Saved:
+    """What the final AttnRes site and norm save (their sources excluded)."""
+    with torch.device("meta"):
+        site = AttnResSite(args.dim, args.attn_res_eps)
+        norm = _bf16_with_fp32_islands(RMSNorm(args.dim, eps=args.norm_eps))
+    sources = _sources(args, boundary_tensors(args.attn_res_block_size, args.n_layers), batch,
+                       seq_len)
+    params = list(site.parameters()) + list(norm.parameters())
+    with _cuda_kernel_stand_ins():
+        return saved_bytes(lambda: norm(site(sources)), params + sources)
 
 
 def _checkpointed(cfg: PlanConfig, layer_id: int) -> bool:
@@ -214,38 +347,70 @@ def _checkpointed(cfg: PlanConfig, layer_id: int) -> bool:
 
 
 def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | None = None,
-                     loss: bool = True, held: float = 1) -> float:
-    """Saved for backward at its start, the loss's buffers, and one layer's recompute: of the
-    whole model at the local batch, or of `layers` (a pipeline stage, with the loss if it is
-    the last) at `batch` rows (a micro-batch), the saved part for `held` micro-batches at once
-    (the loss and the recompute are one micro-batch's at a time)."""
-    args, t = cfg.args, cfg.seq_len
+                     loss: bool = True, held: float = 1) -> Activations:
+    """Activation bytes at the step's peak on a GPU (and on its host, offloaded): of the whole
+    model at the local batch, or of `layers` (a pipeline stage, with the loss if it is the
+    last) at `batch` rows (a micro-batch), the saved part for `held` micro-batches at once (the
+    loss and the recompute are one micro-batch's at a time). A GPU holds seq_len / cp
+    positions of each row."""
+    args, t = cfg.args, cfg.seq_len // cfg.cp
     b = cfg.local_batch if batch is None else batch
     layers = range(args.n_layers) if layers is None else layers
+    block = args.attn_res_block_size
     stream = b * t * args.dim * ACT_BYTES
     # A layer's saved bytes depend on its kind and on how many AttnRes sources it reads.
-    per_kind: dict[tuple[bool, bool, int], int] = {}
-    saved, recompute = 0.0, 0
+    per_kind: dict[tuple[bool, bool, int], Saved] = {}
+    saved, host, recompute = 0.0, 0.0, 0
     for i in layers:
-        kind = (args.is_mla(i), args.is_moe(i), boundary_tensors(args.attn_res_block_size, i))
+        kind = (args.is_mla(i), args.is_moe(i), boundary_tensors(block, i))
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
         if _checkpointed(cfg, i):
-            recompute = max(recompute, per_kind[kind])
+            # Its recompute's saved tensors, and the gradients of its largest op's output and
+            # input, alive together while that op runs backward.
+            recompute = max(recompute, per_kind[kind].total + 2 * per_kind[kind].largest)
         else:
-            saved += per_kind[kind]
-    # Every layer's incoming partial sum stays alive (it is the checkpoint input, or a block).
-    saved += len(layers) * stream
-    loss_bytes = 12 * b * t * args.vocab_size if loss else 0
-    # With AC, backward holds one layer's recomputed activations plus the gradients of the
-    # residual sources it feeds (one per block, and the partial sum).
-    n_blocks = math.ceil(layers.stop / args.attn_res_block_size)
-    backward = recompute + (n_blocks + 1) * stream if recompute else 0
-    return held * saved + loss_bytes + backward
+            saved += per_kind[kind].total
+    if cfg.offload:
+        # save_on_cpu copies what the checkpoints save, each layer's partial sum and doc ids;
+        # the finished blocks reach a layer in a Python list, which the checkpoint keeps by
+        # reference, so they stay on the GPU (the last list also feeds the final site).
+        host += len(layers) * (stream + b * t * DOC_ID_BYTES)
+        saved += (boundary_tensors(block, layers.stop) - 1) * stream
+    else:
+        # Every layer's incoming partial sum stays alive (the checkpoint input, or a block).
+        saved += len(layers) * stream
+    loss_phase = 0.0
+    if loss:
+        # The last partial sum, the final site's and norm's saves, the loss's hidden input (and,
+        # chunked, its fp32 log-sum-exp and int64 labels).
+        tail = (2 * stream + head_activation_bytes(args, b, t).total
+                + (b * t * (LSE_BYTES + LABEL_BYTES) if cfg.loss_chunk else 0))
+        if cfg.offload:
+            # Copied too: the final site's other sources, and the head's weight the loss keeps.
+            finished = boundary_tensors(block, args.n_layers) - 1
+            host += tail + finished * stream + (args.vocab_size * args.dim * ACT_BYTES
+                                                if cfg.loss_chunk else 0)
+        else:
+            saved += tail
+        if cfg.loss_chunk:
+            # One chunk's logits (bf16 product, fp32 copy and its exp) and their gradient, the
+            # fp32 head-weight gradient and the hidden states' gradient.
+            chunk = min(cfg.loss_chunk, b * t)
+            loss_phase = 12 * chunk * args.vocab_size + 4 * args.vocab_size * args.dim + stream
+        else:
+            loss_phase = 12 * b * t * args.vocab_size  # fp32 log-softmax, its and the logits' grad
+    # With AC, backward holds one layer's recompute, its offloaded inputs brought back, and
+    # the gradients of the residual sources it feeds (one per block, and the partial sum).
+    n_blocks = math.ceil(layers.stop / block)
+    back = stream + b * t * DOC_ID_BYTES if cfg.offload else 0
+    backward = recompute + (n_blocks + 1) * stream + back if recompute else 0
+    return Activations(held * saved + max(loss_phase, backward), held * host)
 
 
 def estimate(cfg: PlanConfig, gpus: int, ep: int, counts: ParamCounts | None = None,
-             activations: float | None = None) -> Estimate:
+             activations: Activations | None = None) -> Estimate:
+    """The training step on `gpus` GPUs, EP degree ep, CP degree cfg.cp (FSDP over all)."""
     counts = counts or parameter_counts(cfg.args)
     activations = activation_bytes(cfg) if activations is None else activations
     per_rank = counts.total / gpus
@@ -253,8 +418,19 @@ def estimate(cfg: PlanConfig, gpus: int, ep: int, counts: ParamCounts | None = N
     working = 10 * layer + 2 * counts.output
     parameters, gradients = PARAM_BYTES * per_rank, GRAD_BYTES * per_rank
     optimizer = ADAM_BYTES * per_rank
-    peak = parameters + optimizer + working + max(activations, gradients)
-    return Estimate(gpus, ep, parameters, gradients, optimizer, working, activations, peak)
+    peak = parameters + optimizer + working + max(activations.device, gradients)
+    return Estimate(gpus, ep, parameters, gradients, optimizer, working, activations.device, peak,
+                    cfg.cp, activations.host)
+
+
+def bench_estimate(cfg: PlanConfig, counts: ParamCounts | None = None) -> Estimate:
+    """bench/long_context.py's step on one GPU: bf16 weights and their gradients, no FSDP
+    buffers, no optimizer."""
+    counts = counts or parameter_counts(cfg.args)
+    act = activation_bytes(cfg)
+    weights = grads = BENCH_BYTES * counts.total
+    return Estimate(1, 1, weights, grads, 0.0, 0.0, act.device,
+                    weights + max(act.device, grads), cfg.cp, act.host)
 
 
 def ep_degrees(gpus: int, n_experts: int) -> list[int]:
@@ -263,44 +439,90 @@ def ep_degrees(gpus: int, n_experts: int) -> list[int]:
             and not n_experts % d]
 
 
-def fewest_gpus(cfg: PlanConfig, gpu_mem_gb: float, step: int = 8,
-                limit: int = 1 << 16) -> Estimate | None:
+def cp_degrees(gpus: int, seq_len: int) -> list[int]:
+    """CP degrees above 1 a layout can use: powers of two dividing the GPUs, each rank holding
+    whole KDA chunks (the trainer's rule)."""
+    return [d for d in (2**i for i in range(1, 16)) if d <= gpus and not gpus % d
+            and not seq_len % (d * KDA_CHUNK_SIZE)]
+
+
+def layouts(cfg: PlanConfig, gpus: int, counts: ParamCounts,
+            activations: dict[int, Activations]) -> list[Estimate]:
+    """Every EP layout, and every CP layout (CP runs without EP, as the trainer requires), of
+    `gpus` GPUs; `activations` caches them per CP degree."""
+    degrees = [(ep, 1) for ep in ep_degrees(gpus, cfg.args.n_experts)]
+    degrees += [(1, cp) for cp in cp_degrees(gpus, cfg.seq_len)]
+    rows = []
+    for ep, cp in degrees:
+        at = replace(cfg, cp=cp)
+        if cp not in activations:
+            activations[cp] = activation_bytes(at)
+        rows.append(estimate(at, gpus, ep, counts, activations[cp]))
+    return rows
+
+
+def fewest_gpus(cfg: PlanConfig, gpu_mem_gb: float, step: int = 8, limit: int = 1 << 16,
+                host_mem_gb: float = HOST_MEM_GB) -> Estimate | None:
     """The smallest multiple of `step` GPUs (1 to `step` first) with a layout that fits."""
-    counts, activations = parameter_counts(cfg.args), activation_bytes(cfg)
+    counts, activations = parameter_counts(cfg.args), {}
     candidates = [n for n in (1, 2, 4) if n < step] + list(range(step, limit + 1, step))
     for gpus in candidates:
-        best = min((estimate(cfg, gpus, ep, counts, activations)
-                    for ep in ep_degrees(gpus, cfg.args.n_experts)), key=lambda e: e.peak)
-        if best.fits(gpu_mem_gb):
+        best = min(layouts(cfg, gpus, counts, activations), key=lambda e: e.peak)
+        if best.fits(gpu_mem_gb, host_mem_gb):
             return best
     return None
 
 
-def _row(e: Estimate, gpu_mem_gb: float) -> str:
-    cells = [e.parameters, e.gradients, e.optimizer, e.working, e.activations, e.peak]
-    fit = "yes" if e.fits(gpu_mem_gb) else "no"
-    return (f"| {e.gpus} | {e.ep} | {e.gpus // e.ep} | "
+def _row(e: Estimate, gpu_mem_gb: float, host_mem_gb: float) -> str:
+    cells = [e.parameters, e.gradients, e.optimizer, e.working, e.activations, e.peak, e.host]
+    fit = "yes" if e.fits(gpu_mem_gb, host_mem_gb) else "no"
+    return (f"| {e.gpus} | {e.ep} | {e.cp} | {e.gpus // (e.ep * e.cp)} | "
             + " | ".join(f"{c / GB:.1f}" for c in cells) + f" | {fit} |")
 
 
-def print_plan(cfg: PlanConfig, gpus: int, gpu_mem_gb: float) -> list[Estimate]:
-    counts, activations = parameter_counts(cfg.args), activation_bytes(cfg)
-    rows = [estimate(cfg, gpus, ep, counts, activations)
-            for ep in ep_degrees(gpus, cfg.args.n_experts)]
+def largest_recompute(cfg: PlanConfig) -> tuple[int, float]:
+    """The checkpointed layer whose backward holds the most (its recompute's saved bytes and
+    twice its largest tensor), and those bytes, at seq_len / cp positions."""
+    t = cfg.seq_len // cfg.cp
+    sizes = {}
+    for i in range(cfg.args.n_layers):
+        if _checkpointed(cfg, i):
+            s = layer_activation_bytes(cfg.args, i, cfg.local_batch, t)
+            sizes[i] = s.total + 2 * s.largest
+    if not sizes:
+        return -1, 0.0
+    layer = max(sizes, key=sizes.get)
+    return layer, sizes[layer]
+
+
+def print_plan(cfg: PlanConfig, gpus: int, gpu_mem_gb: float,
+               host_mem_gb: float = HOST_MEM_GB) -> list[Estimate]:
+    counts, activations = parameter_counts(cfg.args), {}
+    rows = layouts(cfg, gpus, counts, activations)
     print(f"{counts.total / 1e9:.1f}B parameters ({counts.experts / 1e9:.1f}B routed experts); "
-          f"{cfg.local_batch}×{cfg.seq_len} tokens a GPU; AC {cfg.ac_mode}; GB per GPU "
-          f"(fits: peak <= {HEADROOM:.0%} of {gpu_mem_gb:g} GB)")
-    print("| GPUs | EP | efsdp | params | grads | optimizer | working | activations | peak "
-          "| fits |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{cfg.local_batch}×{cfg.seq_len} tokens a CP group; AC {cfg.ac_mode}; loss_chunk "
+          f"{cfg.loss_chunk or 'none (full logits)'}; activation offload "
+          f"{'on' if cfg.offload else 'off'}; GB per GPU (fits: peak <= {HEADROOM:.0%} of "
+          f"{gpu_mem_gb:g} GB and host <= {HOST_HEADROOM:.0%} of {host_mem_gb:.1f} GB)")
+    print("| GPUs | EP | CP | dp | params | grads | optimizer | working | activations | peak "
+          "| host | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in rows:
-        print(_row(e, gpu_mem_gb))
-    best = fewest_gpus(cfg, gpu_mem_gb)
+        print(_row(e, gpu_mem_gb, host_mem_gb))
+    layer, held = largest_recompute(cfg)
+    if layer >= 0:
+        print(f"largest layer recompute in backward: layer {layer}, {held / GB:.1f} GB at "
+              f"{cfg.seq_len // cfg.cp} positions a GPU (CP divides it)")
+    best = fewest_gpus(cfg, gpu_mem_gb, host_mem_gb=host_mem_gb)
     if best is None:
         print("fits on no layout up to 65536 GPUs")
     else:
-        print(f"fewest GPUs: {best.gpus} (EP {best.ep} × efsdp {best.gpus // best.ep}), "
-              f"peak {best.peak / GB:.1f} GB")
+        print(f"fewest GPUs: {best.gpus} (EP {best.ep} × CP {best.cp} × dp "
+              f"{best.gpus // (best.ep * best.cp)}), peak {best.peak / GB:.1f} GB, host "
+              f"{best.host / GB:.1f} GB a GPU")
+        if best.cp != cfg.cp:
+            print(f"  set parallelism.context_parallel_degree = {best.cp} (the config has "
+                  f"{cfg.cp}): one GPU's share of a sequence does not fit with {cfg.cp}")
     return rows + ([best] if best else [])
 
 

@@ -26,6 +26,7 @@ from titan_moe.model.args import TitanMoEArgs
 from titan_moe.parallel.pipeline import balanced_stages, boundary_tensors
 from titan_moe.plan.memory import (
     ACT_BYTES,
+    Activations,
     Estimate,
     ParamCounts,
     PlanConfig,
@@ -101,7 +102,8 @@ def stage_counts(counts: ParamCounts, layers: range, n_layers: int) -> ParamCoun
 
 
 def stage_activations(cfg: PlanConfig, stages: list[range], microbatch: int,
-                      microbatches: int, schedule: str = "1F1B", virtual: int = 2) -> list[float]:
+                      microbatches: int, schedule: str = "1F1B",
+                      virtual: int = 2) -> list[Activations]:
     """Each stage's activation bytes at its peak: what one micro-batch saves for backward, for
     each micro-batch it holds then, plus one micro-batch's recompute (and loss, on the last)."""
     n = cfg.args.n_layers
@@ -113,7 +115,7 @@ def stage_activations(cfg: PlanConfig, stages: list[range], microbatch: int,
 def plan_pipeline(cfg: PlanConfig, gpus: int, ep: int, pp: int, microbatch: int = 1,
                   microbatches: int | None = None, schedule: str = "1F1B", virtual: int = 2,
                   counts: ParamCounts | None = None,
-                  activations: list[float] | None = None) -> PipelinePlan:
+                  activations: list[Activations] | None = None) -> PipelinePlan:
     """Every stage on gpus / pp GPUs (FSDP × EP within the stage) with its activations at its
     peak (`stage_activations`); the stage with the highest peak decides. microbatches: a step's
     micro-batches of `microbatch` rows (default: the local batch's)."""

@@ -90,6 +90,9 @@ class Training(tt_config.Training):
     loss_chunk: int = 0
     """Positions per chunk of the chunked LM-head cross-entropy (titan_moe/train/chunked_loss.py),
     so the [T, vocab] logits never exist whole; 0: the full-logits loss."""
+    activation_offload: bool = False
+    """Keep what autograd saves outside the checkpointed layers (under full AC: each layer's
+    inputs) in pinned host memory, torch.autograd.graph.save_on_cpu (titan_moe/plan models it)."""
     max_consecutive_skipped_steps: int = 3
     """A step whose loss or grad norm is not finite is skipped (no optimizer step, counted as
     train/skipped_steps); this many in a row stop the run (titan_moe/train/step_guard.py)."""
@@ -211,6 +214,13 @@ def _check_loss_chunk(job_config: Any) -> None:
     if chunk and job_config.parallelism.sharding == "simple_fsdp":
         raise ConfigError("training.loss_chunk > 0 supports parallelism.sharding = 'fsdp2' only; "
                           "set loss_chunk = 0 with simple_fsdp")
+
+
+def _check_activation_offload(job_config: Any) -> None:
+    # Without full AC every layer's intermediates would cross PCIe twice a step.
+    if job_config.training.activation_offload and job_config.activation_checkpoint.mode != "full":
+        raise ConfigError("training.activation_offload = true needs activation_checkpoint.mode = "
+                          f"'full', got {job_config.activation_checkpoint.mode!r}")
 
 
 def _check_context_parallel(job_config: Any, vision: str) -> None:
@@ -615,6 +625,7 @@ def _check_semantics(job_config: Any) -> None:
     _check_data(job_config)
     _check_eval(job_config)
     _check_loss_chunk(job_config)
+    _check_activation_offload(job_config)
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
     n_layers = model_overrides(job_config).get("n_layers", getattr(flavor_args, "n_layers", 1))

@@ -33,7 +33,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -221,6 +221,14 @@ def register_titan_moe() -> None:
         register_train_spec(MODEL_NAME, titan_moe_train_spec())
 
 
+def _saved_on_cpu(step: Callable[..., torch.Tensor],
+                  pin_memory: bool) -> Callable[..., torch.Tensor]:
+    def run(**kwargs) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+            return step(**kwargs)
+    return run
+
+
 class TitanMoETrainer(PlatformTrainer):
     """torchtitan's Trainer on our platform adapter, with the titan_moe TrainSpec registered.
 
@@ -284,6 +292,10 @@ class TitanMoETrainer(PlatformTrainer):
         if self.cudagraphs and input_dict.get("doc_ids") is not None:
             check_graph_sequences(input_dict["doc_ids"])
         step = super().forward_backward_step
+        if self.job_config.training.activation_offload:
+            # The checkpoints' own hooks sit inside this one, so only what they keep (the layer
+            # inputs) and what is saved outside the layers goes to the host.
+            step = _saved_on_cpu(step, pin_memory=self.device.type == "cuda")
         if self.parallel_dims.pp_enabled:
             loss = self.pipeline_step(input_dict, labels, **kwargs)
         elif not self.job_config.training.loss_chunk:
