@@ -9,10 +9,12 @@ it: each rank backpropagates sum(CE) / global tokens (the trainer's chunked loss
 """
 
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as tt_dist_utils
@@ -183,3 +185,14 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
     # See titan_moe.train.trainer.run: no rank tears gloo down while its peer still works.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn_layouts(world_size: int, layouts: list[Layout], out: str,
+                  island_dtypes: bool = False) -> dict:
+    """Train `layouts` on `world_size` spawned gloo processes; rank 0's results, saved at `out`."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(spawn_entry, args=(world_size, port, layouts, out, island_dtypes), nprocs=world_size,
+             join=True)
+    return torch.load(out)
