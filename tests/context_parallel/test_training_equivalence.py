@@ -17,13 +17,10 @@ sublayer, the mixers in pieces around their eager collectives), against the same
 one-process reference and the same tolerances.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.distributed.harness import Layout, spawn_entry, train
+from tests.distributed.harness import Layout, spawn_layouts, train
 
 # Collectives issued in a different order on the two ranks deadlock: the timeout fails it.
 pytestmark = pytest.mark.timeout(1200)
@@ -36,24 +33,16 @@ CP_COMPILED = Layout(2, cp=2, seq_len=SEQ_LEN, loss_chunk=48, compile_backend="i
                      name="cp2_compiled")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def all_runs(tmp_path_factory) -> tuple[dict, dict]:
-    out = tmp_path_factory.mktemp("cp") / "results.pt"
-    mp.spawn(spawn_entry, args=(2, _free_port(), [CP, CP_COMPILED], str(out)), nprocs=2,
-             join=True)
+    results = spawn_layouts(2, [CP, CP_COMPILED], str(tmp_path_factory.mktemp("cp") / "results.pt"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the spawned ranks: spinning OpenMP threads slow tiny matmuls
     try:
         reference = train(Layout(1, seq_len=SEQ_LEN))
     finally:
         torch.set_num_threads(threads)
-    return torch.load(out), reference
+    return results, reference
 
 
 @pytest.fixture(params=[pytest.param(CP.name, id="eager"),

@@ -8,12 +8,16 @@ it: each rank backpropagates sum(CE) / global tokens (the trainer's chunked loss
 `loss_chunk` > 0) and FSDP sums the gradients over its fsdp dim (dp_shard × cp).
 """
 
+import math
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as tt_dist_utils
 
@@ -26,6 +30,9 @@ from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
 from titan_moe.train.config import job_config_class
 from titan_moe.train.optimizer import all_reduce_qb_stats
 from titan_moe.train.platform import use_platform
+from titan_moe.train.step_guard import FiniteStepGuard
+
+_torchtitan_clip_grad_norm_ = tt_dist_utils.clip_grad_norm_
 
 GLOBAL_ROWS = 4
 SEQ_LEN = 64
@@ -56,6 +63,10 @@ class Layout:
     param_dtype: str = "float32"
     compile_backend: str | None = None
     simple_fsdp_passes: str = "none"
+    # The fused AdamW under the step guard (titan_moe/train/step_guard.py: the clip inside the
+    # kernel); otherwise torchtitan's clip and the for-loop AdamW.
+    fused: bool = False
+    max_norm: float = 1.0
     name: str = field(default="")
 
 
@@ -93,7 +104,8 @@ def job_config(layout: Layout):
 
 
 def train(layout: Layout, steps: int = 5) -> dict:
-    """Per-step global losses and each router's QB bias after every step."""
+    """Per step: the global loss, the grad norm before clipping and that of the gradients the
+    optimizer used, and each router's QB bias after the step."""
     model = build_model()
     distributed = layout.world_size > 1
     group, ep_enabled = None, False
@@ -111,12 +123,14 @@ def train(layout: Layout, steps: int = 5) -> dict:
             cp_group = dims.get_mesh("cp").get_group()
         if dims.dp_enabled:
             dp_rank = dims.get_mesh("batch").get_local_rank()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, {
+        "lr": LR, "weight_decay": 0.0, "foreach": False, "fused": layout.fused})
+    guard = FiniteStepGuard(optimizers, max_consecutive=1) if layout.fused else None
     balancer = QuantileBalancer(model)
     rows = GLOBAL_ROWS * layout.cp // layout.world_size
     loss_fn = ChunkedCrossEntropy(model.output, layout.loss_chunk) if layout.loss_chunk else None
-    losses, biases = [], []
-    for _ in range(steps):
+    losses, biases, norms = [], [], []
+    for step in range(1, steps + 1):
         tokens, doc_ids = global_batch(model.args.vocab_size, layout.seq_len)
         own = slice(dp_rank * rows, (dp_rank + 1) * rows)
         inputs = {"input": tokens[own, :-1], "doc_ids": doc_ids[own]}
@@ -132,9 +146,17 @@ def train(layout: Layout, steps: int = 5) -> dict:
             with hidden_from_head(model.output):
                 loss_sum = loss_fn(model(inputs["input"], inputs["doc_ids"]), labels)
         (loss_sum / n_tokens).backward()
-        tt_dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, ep_enabled=ep_enabled)
-        optimizer.step()
-        optimizer.zero_grad()
+        if guard is not None:
+            guard.begin(step)
+            guard.add_loss(loss_sum / n_tokens)
+        params = list(model.parameters())
+        norm = tt_dist_utils.clip_grad_norm_(params, layout.max_norm, ep_enabled=ep_enabled)
+        optimizers.step()
+        # torchtitan's norm of the gradients the update used: clipped in place by its clip, or
+        # divided by grad_scale inside the fused kernel, which writes them back.
+        used = _torchtitan_clip_grad_norm_(params, math.inf, ep_enabled=ep_enabled)
+        norms.append((norm.item(), used.item()))
+        optimizers.zero_grad()
         all_reduce_qb_stats(balancer.routers, group)
         balancer.step()
         total = loss_sum.detach().clone()
@@ -142,7 +164,9 @@ def train(layout: Layout, steps: int = 5) -> dict:
             dist.all_reduce(total, group=group)
         losses.append(total.item() / n_tokens)
         biases.append([r.expert_bias.clone() for r in balancer.routers])
-    return {"losses": losses, "biases": biases}
+    if guard is not None:  # the clip_grad_norm_ it stands in for, back for the next layout
+        tt_dist_utils.clip_grad_norm_ = _torchtitan_clip_grad_norm_
+    return {"losses": losses, "biases": biases, "grad_norms": norms}
 
 
 def fp32_island_dtypes(layout: Layout) -> dict[str, str]:
@@ -183,3 +207,14 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
     # See titan_moe.train.trainer.run: no rank tears gloo down while its peer still works.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn_layouts(world_size: int, layouts: list[Layout], out: str,
+                  island_dtypes: bool = False) -> dict:
+    """Train `layouts` on `world_size` spawned gloo processes; rank 0's results, saved at `out`."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(spawn_entry, args=(world_size, port, layouts, out, island_dtypes), nprocs=world_size,
+             join=True)
+    return torch.load(out)

@@ -12,13 +12,10 @@ losses within rtol 2e-5 of each other (an error in sharding or dispatch moves th
 QB counts are exact integers, so the biases agree to the bin interpolation's fp32 rounding.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.distributed.harness import Layout, spawn_entry, train
+from tests.distributed.harness import Layout, spawn_layouts, train
 
 LOSS_RTOL = 2e-5
 BIAS_ATOL = 1e-6
@@ -31,22 +28,14 @@ LAYOUTS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return train(Layout(1))
 
 
 def _run(world_size: int, tmp_path) -> dict:
-    out = tmp_path / f"results{world_size}.pt"
-    mp.spawn(spawn_entry, args=(world_size, _free_port(), LAYOUTS[world_size], str(out),
-                                world_size == 2), nprocs=world_size, join=True)
-    return torch.load(out)
+    return spawn_layouts(world_size, LAYOUTS[world_size], str(tmp_path / f"results{world_size}.pt"),
+                         island_dtypes=world_size == 2)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,9 @@ global batches (tests/distributed/pipeline_spec.py).
 Every layout's per-step loss equals one process's within rtol 2e-5: they differ only in fp32
 summation order (micro-batch gradients summed one by one, FSDP's reduce-scatter, EP's regrouped
 expert GEMMs), a few ulps per step; a wrong loss scale, stage or dispatch moves them by > 1e-3.
+max_norm 0.5 is below every step's grad norm (0.6 to 0.8), so every step clips, inside the fused
+AdamW kernel (titan_moe/train/step_guard.py); the logged grad norm, reduced over the stages (and
+the expert and dense meshes), matches one process's within rtol 1e-5 (observed 2e-7).
 QB biases (each stage balances its own MoE layers, histograms summed over the data ranks only)
 and moe/max_violation (gathered over the stages) match to 1e-6: the loads are exact counts.
 Resume: the pp2 run's step-3 checkpoint, loaded by a fresh pp2 job, reproduces steps 4-5 of the
@@ -37,6 +40,8 @@ from tests.train.conftest import read_scalars
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 LOSS_RTOL = 2e-5
+MAX_NORM = 0.5
+NORM_RTOL = 1e-5
 BIAS_ATOL = 1e-6
 MOE_LAYERS = (1, 2, 3)
 TINY = [
@@ -56,6 +61,7 @@ TINY = [
     "--training.seq_len", "64", "--training.device", "cpu",
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.0",
     "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+    "--training.max_norm", str(MAX_NORM),
 ]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 LAYOUTS = {  # name: (processes, arguments); 4 global rows of 64 tokens in every layout
@@ -134,6 +140,10 @@ def test_losses_biases_and_violation_match_one_process(runs, name):
                                torch.tensor([want_loss[s] for s in sorted(loss)]),
                                rtol=LOSS_RTOL, atol=0)
     assert want_loss[STEPS] != want_loss[1]
+    want_norm, norm = scalars(reference, "grad_norm"), scalars(got, "grad_norm")
+    assert sorted(norm) == sorted(want_norm) and min(want_norm.values()) > MAX_NORM
+    for step in want_norm:
+        assert norm[step] == pytest.approx(want_norm[step], rel=NORM_RTOL), step
     want_biases, got_biases = biases(reference), biases(got)
     assert len(got_biases) == STEPS and sorted(got_biases[0]) == list(MOE_LAYERS)
     for step, (g, w) in enumerate(zip(got_biases, want_biases, strict=True), start=1):

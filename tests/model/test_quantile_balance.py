@@ -218,6 +218,28 @@ def test_balancer_step_updates_bias_and_reports_load():
     assert metrics["moe/max_violation"] == pytest.approx(mean_violation, rel=1e-12)
 
 
+@pytest.mark.parametrize("skip", [0.0, 1.0])
+def test_balancer_step_with_a_skip_flag(skip: float):
+    """Flag 0 is a plain step (same biases exactly); flag 1 keeps every bias as it was while the
+    statistics are cleared and the loads still reported."""
+    stepped = []
+    for flag in (None, torch.tensor(skip)):
+        moes = _two_layer_model(8, 2)
+        before = [moe.router.expert_bias.clone() for moe in moes]
+        balancer = QuantileBalancer(moes)
+        for x, valid in _micro_batches():
+            for moe in moes:
+                moe(x, valid)
+        balancer.step(flag)
+        assert all(_router_counts(moe.router) == (0, 0) for moe in moes)
+        assert balancer.expert_load.sum() > 0
+        stepped.append([moe.router.expert_bias.clone() for moe in moes])
+    plain, flagged = stepped
+    for p, f, b in zip(plain, flagged, before, strict=True):
+        assert not torch.equal(p, b)  # a plain step moves the bias
+        torch.testing.assert_close(f, b if skip else p, rtol=0, atol=0)
+
+
 def test_balancer_exact_mode_uses_kept_scores():
     n_experts, top_k = 8, 2
     moes = _two_layer_model(n_experts, top_k)

@@ -76,7 +76,7 @@ class FakeBalancer:
         self.steps = 0
         self.expert_load = None
 
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
         self.steps += 1
         self.expert_load = torch.arange(1.0, N_FAKE_EXPERTS + 1).unsqueeze(0)
 

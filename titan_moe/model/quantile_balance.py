@@ -126,8 +126,11 @@ class QuantileBalancer:
             router.reset_qb_stats()
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Update every router's bias from the statistics routed since the last step.
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """Update every router's bias from the statistics routed since the last step; where the
+        device flag `skip` is nonzero (the step's optimizer update was skipped) every bias stays
+        as it is; the statistics are cleared and the metrics describe the step's routing all the
+        same.
 
         Nothing is read back to the host: a read here would make the host wait for the optimizer
         step before it loads the next batch, and the GPU would then sit idle while it does (the
@@ -138,8 +141,10 @@ class QuantileBalancer:
         violations, spreads, loads = [], [], []
         for router in self.routers:
             hist, load = router.qb_hist, router.expert_load
-            seen = hist[0].sum() > 0
-            new_bias = torch.where(seen, self._new_bias(router, hist), router.expert_bias)
+            update = hist[0].sum() > 0
+            if skip is not None:
+                update = update & (skip == 0)
+            new_bias = torch.where(update, self._new_bias(router, hist), router.expert_bias)
             router.expert_bias.copy_(new_bias)
             load = load.double()
             violation = load.max() / load.mean().clamp(min=1e-12) - 1.0

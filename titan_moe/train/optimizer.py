@@ -42,7 +42,9 @@ def all_reduce_qb_stats(
 class LoadBalancing:
     """Optimizer post-step hook: sum every balancer's statistics over `dp_group` (None: this
     rank's tokens are the whole batch, nothing to sum), then run it once. The metrics they keep
-    are read on demand (`metrics`), so a step makes no host read.
+    are read on demand (`metrics`), so a step makes no host read. `skip` is the step guard's
+    device flag of the step (step_guard.py, fused path): where it is 1 the optimizer update was
+    skipped, and the balancers keep their biases too.
 
     Under pipeline parallelism each rank balances the MoE layers of its own stages and
     `pp_group` gathers every stage's per-layer metrics, so the logging rank (torchtitan's: the
@@ -58,12 +60,13 @@ class LoadBalancing:
         self.balancers = list(balancers)
         self.dp_group = dp_group
         self.pp_group = pp_group
+        self.skip: torch.Tensor | None = None
 
     def __call__(self, *_args: Any, **_kwargs: Any) -> None:
         for balancer in self.balancers:
             if self.dp_group is not None:
                 all_reduce_qb_stats(balancer.routers, self.dp_group)
-            balancer.step()
+            balancer.step(self.skip)
 
     @property
     def metrics(self) -> dict[str, float]:

@@ -12,7 +12,9 @@ and of the QB biases. `[profiling] enable_profiling = true` writes Chrome/Perfet
 
 A step whose loss or grad norm is not finite is skipped and counted (`train/skipped_steps`);
 `training.max_consecutive_skipped_steps` in a row stop the run, and no checkpoint is saved from
-non-finite weights (step_guard.py).
+non-finite weights (step_guard.py). With the fused optimizer (the default) the clip is applied
+inside the optimizer kernel and the skip decided on the device; the host learns of a skipped step
+one step later, or at the next log step or checkpoint save.
 
 `parallelism.pipeline_parallel_degree` = pp > 1: the model runs as pipeline stages cut on AttnRes
 block boundaries (parallel/pipeline_schedule.py; README "Pipeline parallelism"), the loss and
@@ -330,8 +332,13 @@ class TitanMoETrainer(PlatformTrainer):
         return torch.stack(losses).sum().detach().to(self.device)
 
     def save_checkpoint(self, curr_step: int, last_step: bool = False) -> None:
-        """torchtitan's checkpointer.save, refusing non-finite weights when it would save."""
-        if self.checkpointer._should_save(curr_step, last_step):
+        """torchtitan's checkpointer.save, refusing non-finite weights when it would save. Before
+        a save and after the last step the step guard counts its pending steps: a run of
+        non-finite steps stops before its checkpoint, and none goes uncounted at the end."""
+        saving = self.checkpointer._should_save(curr_step, last_step)
+        if saving or last_step:
+            self.step_guard.settle()
+        if saving:
             check_finite_weights(self.model_parts, curr_step)
         self._save_checkpoint(curr_step, last_step)
 
