@@ -37,8 +37,9 @@ def chunk_output_kernel(
     q_c = tl.load(q + in_offs, mask=cont[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
     G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
-    S = tl.load(h_states + ((b * n_chunks + chunk) * H + h) * K * V + cols_k[:, None] * V
-                + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    state_base = ((b * n_chunks + chunk) * H + h).to(tl.int64) * K * V
+    S = tl.load(h_states + state_base + cols_k[:, None] * V + cols_v[None, :],
+                mask=k_ok[:, None] & v_ok[None, :], other=0.0)
     A = tl.load(A_qk + ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :])
     v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     v_c = tl.load(v_new + v_offs, mask=v_ok[None, :], other=0.0)

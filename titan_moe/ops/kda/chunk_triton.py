@@ -167,7 +167,9 @@ def chunk_kda_bwd(
     block_k, block_v = _blocks(d_k, d_v)
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
     h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len, _precision(q))
-
+    # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
+    # the live ones at its peak (Inductor frees by last use on its own).
+    del U
     dh_states = torch.empty_like(h_states)
     dv_new = torch.empty_like(v_new)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
@@ -177,9 +179,10 @@ def chunk_kda_bwd(
         HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
+    del A_qk, W
 
     f32 = dict(device=q.device, dtype=torch.float32)
-    d_qg, d_w, d_kd, dG = (torch.empty_like(W) for _ in range(4))
+    d_qg, d_w, d_kd, dG = (torch.empty_like(K_d) for _ in range(4))
     d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
     block = min(block_k, BLOCK_INTRA)
     n_k_blocks = triton.cdiv(d_k, block)
@@ -188,14 +191,16 @@ def chunk_kda_bwd(
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
+    del h_states, dh_states
     dv = torch.empty_like(v)
     dbeta = torch.empty(beta.shape, **f32)
-    dA, dP = torch.empty_like(A_qk), torch.empty_like(KK)
+    dA, dP = torch.empty_like(KK), torch.empty_like(KK)
     wrap_triton(ut_transform_bwd_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
+    del KK, v_new, dv_new
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     wrap_triton(tile_products_bwd_kernel)[(n_chunks, CHUNK // SUBTILE * n_k_blocks,
                                           batch * heads)](
@@ -203,6 +208,7 @@ def chunk_kda_bwd(
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
+    del dA, dP, Tinv, d_qg, d_w
     dg = torch.empty(g.shape, **f32)
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         g, A_log, dt_bias, G, K_d, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
