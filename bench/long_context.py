@@ -9,7 +9,9 @@ memory (torch.autograd.graph.save_on_cpu around the step, as training.activation
 KDA by chunks with a constant state (the Triton op), MLA through Flash Attention's
 varlen kernel with document masking (no [T, T] mask), and the trainer's chunked loss
 (`training.loss_chunk`: the model runs under `hidden_from_head` and `ChunkedCrossEntropy` applies
-the head by chunks of --loss-chunk positions, so the [T, vocab] logits never exist). Parameters are
+the head by chunks of --loss-chunk positions, so the [T, vocab] logits never exist), and with
+--moe-chunk the MoE layers by token chunks under their own checkpoints (titan_moe.moe_token_chunk:
+one chunk's expert buffers alive in backward). Parameters are
 bf16 (FSDP's param_dtype in training; no fp32 master copy or optimizer state is held here).
 Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and
@@ -40,10 +42,11 @@ LENGTHS = "8192,65536,262144,1048576"
 TINY_LENGTHS = "128,256"
 
 
-def model_args(flavor: str, n_layers: int | None) -> TitanMoEArgs:
+def model_args(flavor: str, n_layers: int | None, moe_chunk: int = 0) -> TitanMoEArgs:
     args = get_flavor(flavor)
     if n_layers is not None:
         args.n_layers, args.mla_layers = n_layers, (n_layers,)
+    args.moe_token_chunk = moe_chunk
     return args.validate()
 
 
@@ -145,6 +148,8 @@ def main() -> None:
     parser.add_argument("--doc-len", type=positive, default=65536, help="tokens per document")
     parser.add_argument("--loss-chunk", type=positive, default=CHUNK,
                         help="positions per chunk of the loss (training.loss_chunk)")
+    parser.add_argument("--moe-chunk", type=non_negative, default=0,
+                        help="tokens a MoE chunk (titan_moe.moe_token_chunk; 0: unchunked)")
     parser.add_argument("--ac", choices=("full", "none"), default="full",
                         help="activation checkpointing of every decoder layer, or none")
     parser.add_argument("--offload", action="store_true",
@@ -170,7 +175,7 @@ def main() -> None:
         parser.error("--lengths and --loss-chunk must be positive integers")
     if args.offload and args.ac != "full":
         parser.error("--offload needs --ac full")
-    model_cfg = model_args(args.flavor, args.n_layers)
+    model_cfg = model_args(args.flavor, args.n_layers, args.moe_chunk)
     model = build(model_cfg, device, dtype, args.ac, args.compile)
     loss_fn = ChunkedCrossEntropy(model.output, args.loss_chunk)
     print(f"{'seq_len':>9} {'status':>6} {'step s':>9} {'us/token':>9} {'max GiB':>8} "
@@ -194,6 +199,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"flavor": args.flavor, "device": device, "ac": args.ac,
                            "offload": args.offload, "loss_chunk": args.loss_chunk,
+                           "moe_chunk": args.moe_chunk,
                            "rows": rows}, f, indent=2)
 
 

@@ -7,8 +7,10 @@ import json
 import sys
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from tests.bench_scripts import load_bench
+from titan_moe.model import moe as moe_module
 
 
 def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatch, capsys):
@@ -54,3 +56,41 @@ def test_offload_step_runs_on_cpu_and_rows_carry_the_plan(tmp_path, monkeypatch)
         assert all("planned_over_measured" not in r for r in rows)
         losses[offload] = [r["loss_per_token"] for r in rows]
     assert losses[True] == losses[False]
+
+
+def test_moe_chunk_reaches_the_model_and_the_plan(tmp_path, monkeypatch):
+    # A real CPU step with the MoE layer in chunks of 48 tokens (64 and 128 are no multiples):
+    # the same loss as unchunked (float32; the chunks' weight-gradient sums are ordered
+    # differently, the loss itself is per token: 1e-6 relative), the plan given the chunk.
+    bench = load_bench("long_context")
+    planned_chunks = []
+    plan = bench.bench_estimate
+
+    def recording(cfg, *args):
+        planned_chunks.append(cfg.args.moe_token_chunk)
+        return plan(cfg, *args)
+
+    monkeypatch.setattr(bench, "bench_estimate", recording)
+    chunk_sizes = []
+
+    def counted(fn, x, *args, **kwargs):
+        if not x.is_meta:  # the plan runs the layer on meta
+            chunk_sizes.append(x.shape[0])
+        return checkpoint(fn, x, *args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "checkpoint", counted)
+    losses = {}
+    for chunk in (0, 48):
+        out = tmp_path / f"lc{chunk}.json"
+        monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64,128",
+                                          "--moe-chunk", str(chunk), "--out", str(out)])
+        torch.manual_seed(0)
+        bench.main()
+        result = json.loads(out.read_text())
+        assert result["moe_chunk"] == chunk
+        losses[chunk] = [r["loss_per_token"] for r in result["rows"]]
+    assert planned_chunks == [0, 0, 48, 48]
+    # One MoE layer; each forward runs twice (the step's, then full AC's recompute).
+    assert chunk_sizes == [48, 16] * 2 + [48, 48, 32] * 2
+    for got, want in zip(losses[48], losses[0], strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want)

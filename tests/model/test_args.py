@@ -55,6 +55,7 @@ def test_params_cli_prints_units():
     ({"n_layers": True}, "n_layers"),  # a bool is not an int
     ({"mla_layers": [2.5]}, "mla_layers"),  # the list's items are typed too
     ({"not_a_field": 1}, "not_a_field"),
+    ({"moe_token_chunk": -1}, "moe_token_chunk"),
 ])
 def test_inconsistent_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=rf"titan_moe\.{field}\b"):
@@ -65,6 +66,14 @@ def test_overrides_take_toml_forms():
     """TOML gives lists for tuples and ints for floats: the one type check accepts both."""
     args = apply_overrides(get_flavor("debug"), {"mla_layers": [2, 4], "norm_eps": 1})
     assert args.mla_layers == (2, 4) and args.norm_eps == 1
+
+
+def test_moe_token_chunk_reaches_every_moe_layer():
+    args = apply_overrides(get_flavor("debug"), {"moe_token_chunk": 4096})
+    with torch.device("meta"):
+        model = TitanMoE(args)
+    chunks = {i: getattr(layer.ffn, "token_chunk", None) for i, layer in model.layers.items()}
+    assert chunks == {str(i): 4096 if args.is_moe(i) else None for i in range(args.n_layers)}
 
 
 def test_unknown_flavor_lists_allowed():

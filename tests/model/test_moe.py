@@ -2,7 +2,9 @@ import math
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from titan_moe.model import moe as moe_module
 from titan_moe.model.moe import LatentMoE, dispatch_layout
 from titan_moe.model.router import Router
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
@@ -223,3 +225,76 @@ def test_compiled_fullgraph_matches_eager_float32_forward_and_backward():
         assert (got - want).abs().max().item() <= COMPILE_TOL * scale
     # The compiled forward still feeds Quantile Balancing.
     assert torch.equal(moe.router.qb_hist, eager_hist)
+
+
+CHUNK_TOL = 1e-6  # float32, relative to the largest magnitude (at least 1): seen 1.8e-7
+
+
+def _chunked_pair(chunk: int, seed: int) -> tuple[LatentMoE, LatentMoE]:
+    """The same float32 layer without and with token chunks."""
+    plain = _small_moe(n_shared=1, seed=seed, dtype=torch.float32)
+    chunked = _small_moe(n_shared=1, seed=seed, dtype=torch.float32)
+    chunked.token_chunk = chunk
+    return plain, chunked
+
+
+def _step(moe, x: torch.Tensor, grad_out: torch.Tensor, valid=None,
+          outer_ac: bool = False) -> list[torch.Tensor]:
+    """A training forward+backward (under a full-AC checkpoint of the layer if outer_ac): the
+    output, then the gradients of x and of every parameter."""
+    params = [x, *(p for p in moe.parameters())]
+    out = (checkpoint(moe, x, valid, use_reentrant=False) if outer_ac else moe(x, valid))
+    return [out, *torch.autograd.grad((out * grad_out).sum(), params)]
+
+
+def _assert_close_scaled(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        scale = max(1.0, w.abs().max().item())
+        assert (g - w).abs().max().item() <= tol * scale, i
+
+
+@pytest.mark.parametrize("outer_ac", [False, True], ids=["plain", "in-full-ac"])
+def test_token_chunks_match_unchunked_outputs_gradients_and_qb_stats(outer_ac: bool,
+                                                                     monkeypatch):
+    # 2 × 11 = 22 tokens in chunks of 8: two full chunks and one of 6.
+    plain, chunked = _chunked_pair(chunk=8, seed=8)
+    chunk_sizes = []
+
+    def counted(fn, x, *args, **kwargs):
+        chunk_sizes.append(x.shape[0])
+        return checkpoint(fn, x, *args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "checkpoint", counted)
+    x = torch.randn(2, 11, 12, requires_grad=True)
+    grad_out = torch.randn(2, 11, 12)
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    valid[1, 7:] = False  # padding, excluded from the statistics in every chunk
+    want = _step(plain, x, grad_out, valid)
+    got = _step(chunked, x, grad_out, valid, outer_ac)
+    # The outer checkpoint re-runs the layer's forward (its chunks' checkpoints) in backward.
+    assert chunk_sizes == [8, 8, 6] * (2 if outer_ac else 1)
+    _assert_close_scaled(got, want, CHUNK_TOL)
+    assert all(g.abs().max().item() > 0 for g in got[1:])
+    # Counted once per valid token: the chunks' and the outer checkpoint's recomputes are not.
+    assert torch.equal(chunked.router.qb_hist, plain.router.qb_hist)
+    assert torch.equal(chunked.router.expert_load, plain.router.expert_load)
+    assert chunked.router.expert_load.sum().item() == valid.sum().item() * plain.top_k
+
+
+def test_token_chunks_compile_fullgraph_and_match_eager_in_full_ac():
+    """The chunk checkpoints trace as HOPs inside one graph; around it an eager full-AC
+    checkpoint re-runs the compiled forward in backward, as the trainer does."""
+    eager, compiled = _chunked_pair(chunk=8, seed=9)
+    x = torch.randn(2, 7, 12, requires_grad=True)  # chunks of 8 and 6
+    grad_out = torch.randn(2, 7, 12)
+    want = _step(eager, x, grad_out)
+    got = _step(torch.compile(compiled, fullgraph=True), x, grad_out, outer_ac=True)
+    _assert_close_scaled(got, want, COMPILE_TOL)
+    assert torch.equal(compiled.router.qb_hist, eager.router.qb_hist)
+    assert torch.equal(compiled.router.expert_load, eager.router.expert_load)
+
+
+def test_token_chunk_is_validated():
+    with pytest.raises(ValueError, match="token_chunk"):
+        LatentMoE(dim=8, n_experts=4, top_k=2, n_shared=0, latent_dim=4, expert_hidden=4,
+                  shared_hidden=4, token_chunk=-1)

@@ -120,6 +120,9 @@ class TitanMoEArgs(BaseModelArgs):
     qb_bins: int = 1000
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
+    # Long context: run each MoE layer over chunks of this many (flattened) tokens, each under
+    # its own activation checkpoint, so backward holds one chunk's expert buffers; 0: no chunks.
+    moe_token_chunk: int = 0
 
     # Vision tower (spec §7): "none" (text only) or a VISION_FLAVORS name; the two patch
     # budgets override the vision flavor's when > 0. `<|image|>` placeholders carry its output.
@@ -169,6 +172,8 @@ class TitanMoEArgs(BaseModelArgs):
              f"must be < n_experts = {self.n_experts}: Quantile Balancing needs the (k+1)-th score")
         need(self.n_shared_experts == 0 or self.shared_hidden > 0, "shared_hidden",
              "must be positive when n_shared_experts > 0")
+        need(isinstance(self.moe_token_chunk, int) and self.moe_token_chunk >= 0,
+             "moe_token_chunk", "must be an integer >= 0 (tokens a MoE chunk; 0: no chunks)")
         need(self.route_scale > 0, "route_scale", "must be > 0")
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "situ_beta1",
              "situ_beta1 and situ_beta2 must be > 0")

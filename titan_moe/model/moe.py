@@ -13,10 +13,20 @@ end are left over. The experts run as grouped GEMMs over the groups; the results
 back to (token, slot) order and summed with the combine weights. The copy in and the weighted
 gather out are `titan_moe.ops.moe_dispatch` (Triton on CUDA). Every shape is static and nothing
 syncs with the host, so torch.compile(fullgraph=True) traces the layer.
+
+Token chunks (`token_chunk` > 0, long context): the flattened tokens are split into chunks of
+that many (the last may be shorter), each routed, dispatched (its own padded buffer) and run
+under its own non-reentrant activation checkpoint. Routing is per token, so the output is the
+same; backward, and a full-AC recompute around the layer, then hold one chunk's expert buffers
+(N·k dispatched rows, grouped-GEMM and SiTU-GLU activations) at a time instead of all T tokens'.
+Inside torch.compile each checkpoint is a HOP the partitioner recomputes; the chunks are
+unrolled, with static shapes per T. A checkpoint's recompute runs inside backward, so the
+router does not count it again in the QB statistics.
 """
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.router import Router
@@ -103,13 +113,17 @@ class LatentMoE(nn.Module):
         n_bins: int = 1000,
         layer_id: int = 0,
         group_align: int = 8,
+        token_chunk: int = 0,
     ):
         super().__init__()
         if group_align < 1:
             raise ValueError(f"group_align must be >= 1, got {group_align}")
+        if token_chunk < 0:
+            raise ValueError(f"token_chunk must be >= 0 (0: no chunks), got {token_chunk}")
         self.n_experts = n_experts
         self.top_k = top_k
         self.group_align = group_align
+        self.token_chunk = token_chunk
         self.router = Router(dim, n_experts, top_k, route_scale, n_bins, layer_id)
         self.w_down = nn.Linear(dim, latent_dim, bias=False)
         self.experts = GroupedExperts(n_experts, latent_dim, expert_hidden, beta1, beta2)
@@ -122,18 +136,31 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, dim], valid [B, T] bool (padding excluded from QB statistics) -> [B, T, dim]."""
         batch, seq, dim = x.shape
-        n_tokens, k = batch * seq, self.top_k
-        x_flat = x.reshape(n_tokens, dim)
-        expert_ids, weights = self.router(x_flat, None if valid is None else valid.reshape(-1))
-        z = self.w_down(x_flat)
+        x_flat = x.reshape(batch * seq, dim)
+        valid_flat = None if valid is None else valid.reshape(-1)
+        chunk = self.token_chunk
+        if not 0 < chunk < batch * seq:
+            return self._tokens(x_flat, valid_flat).view(batch, seq, dim)
+        # split, not slicing: its backward concatenates the chunks' input gradients once, where
+        # each slice's would be a zero-filled [N, dim] tensor.
+        xs = x_flat.split(chunk)
+        valids = [None] * len(xs) if valid_flat is None else valid_flat.split(chunk)
+        # The layer draws no random numbers: no RNG state to save and restore.
+        ys = [checkpoint(self._tokens, xc, vc, use_reentrant=False, preserve_rng_state=False)
+              for xc, vc in zip(xs, valids, strict=True)]
+        return torch.cat(ys).view(batch, seq, dim)
 
+    def _tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """x [N, dim], valid [N] bool or None -> [N, dim]: the layer over N flattened tokens."""
+        expert_ids, weights = self.router(x, valid)
+        z = self.w_down(x)
         dest, src, offs = dispatch_layout(expert_ids.reshape(-1), self.n_experts, self.group_align)
-        expert_out = self.experts(moe_dispatch(z, dest, src, k), offs)
+        expert_out = self.experts(moe_dispatch(z, dest, src, self.top_k), offs)
         u = moe_combine(expert_out, dest, src, weights)
         y = self.w_up(self.norm(u.to(x.dtype)))
         if self.shared is not None:
-            y = y + self.shared(x_flat)
-        return y.view(batch, seq, dim)
+            y = y + self.shared(x)
+        return y
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         self.router.init_weights(init_std)

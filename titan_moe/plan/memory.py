@@ -28,7 +28,9 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
       layer bwd  with AC, the largest over layers of its recompute's saves + 2 × its largest
                  saved tensor (an op's output and input gradients), + (B + 1) s (gradients of the
-                 residual sources) + the offloaded inputs brought back (s + 4 b t)
+                 residual sources) + the offloaded inputs brought back (s + 4 b t); a MoE layer
+                 in token chunks (titan_moe.moe_token_chunk = c) saves its input and, of its
+                 experts, one chunk's recompute: the layer unchunked over c tokens
     host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
     bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer
@@ -316,14 +318,32 @@ def _sources(args: TitanMoEArgs, n: int, batch: int, seq_len: int) -> list[torch
 
 def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_len: int) -> Saved:
     """What one decoder layer saves for backward (its inputs excluded), bf16 with fp32 islands:
-    under full AC, what its recompute holds in backward."""
+    under full AC, what its recompute holds in backward. Of a MoE layer in token chunks
+    (moe_token_chunk) the hook sees the chunks' inputs, which their checkpoints save; one
+    chunk's recompute, alive in the layer's backward, is added (without AC that is counted
+    per layer: high by a chunk's saves for every other MoE layer)."""
     with torch.device("meta"):
         layer = _bf16_with_fp32_islands(DecoderLayer(layer_id, args))
     # Entering layer i: the embedding, every finished block and the partial sum.
     sources = _sources(args, boundary_tensors(args.attn_res_block_size, layer_id), batch, seq_len)
     params = list(layer.parameters())
     with _cuda_kernel_stand_ins():
-        return saved_bytes(lambda: layer(sources[:-1], sources[-1], None), params + sources)
+        saved = saved_bytes(lambda: layer(sources[:-1], sources[-1], None), params + sources)
+    chunk = args.moe_token_chunk
+    if not (args.is_moe(layer_id) and 0 < chunk < batch * seq_len):
+        return saved
+    one = moe_chunk_bytes(args, layer_id, chunk)
+    return Saved(saved.total + one.total, max(saved.largest, one.largest))
+
+
+def moe_chunk_bytes(args: TitanMoEArgs, layer_id: int, chunk: int) -> Saved:
+    """What one token chunk's recompute saves (its input excluded): the MoE layer, unchunked,
+    over `chunk` tokens, its own padded dispatch buffer included."""
+    with torch.device("meta"):
+        moe = _bf16_with_fp32_islands(DecoderLayer(layer_id, replace(args, moe_token_chunk=0)).ffn)
+    x = _sources(args, 1, 1, chunk)
+    with _cuda_kernel_stand_ins():
+        return saved_bytes(lambda: moe(x[0]), list(moe.parameters()) + x)
 
 
 def head_activation_bytes(args: TitanMoEArgs, batch: int, seq_len: int) -> Saved:
@@ -501,7 +521,8 @@ def print_plan(cfg: PlanConfig, gpus: int, gpu_mem_gb: float,
     rows = layouts(cfg, gpus, counts, activations)
     print(f"{counts.total / 1e9:.1f}B parameters ({counts.experts / 1e9:.1f}B routed experts); "
           f"{cfg.local_batch}×{cfg.seq_len} tokens a CP group; AC {cfg.ac_mode}; loss_chunk "
-          f"{cfg.loss_chunk or 'none (full logits)'}; activation offload "
+          f"{cfg.loss_chunk or 'none (full logits)'}; MoE token chunk "
+          f"{cfg.args.moe_token_chunk or 'none'}; activation offload "
           f"{'on' if cfg.offload else 'off'}; GB per GPU (fits: peak <= {HEADROOM:.0%} of "
           f"{gpu_mem_gb:g} GB and host <= {HOST_HEADROOM:.0%} of {host_mem_gb:.1f} GB)")
     print("| GPUs | EP | CP | dp | params | grads | optimizer | working | activations | peak "
