@@ -109,11 +109,14 @@ class _HostCopy:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.event = None
-        # From CUDA, a non-blocking copy to the CPU lands in pinned memory.
-        self.host = tensor.to("cpu", non_blocking=True)
-        if tensor.device.type == "cuda":
-            self.event = torch.cuda.Event()
-            self.event.record()
+        if tensor.device.type != "cuda":
+            self.host = tensor.cpu()
+            return
+        # Into pinned memory (from torch's caching host allocator): only then is the copy async.
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
 
     def tolist(self) -> list[float]:
         if self.event is not None:
