@@ -4,7 +4,8 @@ The op against its PyTorch reference on the same GPU: ids, weights, histogram an
 equal bit for bit (both compute σ as 1 / (1 + expf(-x)) with an IEEE division, see
 qb_route_triton.py), at the routing issue's E = 896, k = 16 and at the proxy's E = 64, k = 8;
 the weight gradient as relative RMS error. The bf16 layer (torch._grouped_mm, padded groups)
-against the same layer in float64 on CPU with identical routes forced by a large bias gap, and
+against the same layer in float64 on CPU with identical routes forced by a large bias gap (also
+in token chunks, long context's `moe_token_chunk`), and
 its forward and backward free of host syncs (what CUDA graphs need).
 """
 
@@ -87,8 +88,11 @@ def _layer(device: str, dtype: torch.dtype) -> LatentMoE:
     return moe
 
 
+@pytest.mark.parametrize("token_chunk", [0, 256], ids=["whole", "chunks-256"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_latent_moe_bf16_on_cuda_matches_float64(compiled):
+def test_latent_moe_bf16_on_cuda_matches_float64(compiled, token_chunk):
+    """With token chunks (600 tokens in 256, 256, 88), each chunk runs under its own checkpoint,
+    traced as a HOP when compiled; the float64 reference runs unchunked."""
     x = torch.randn(2, 300, 256)
     grad_out = torch.randn(2, 300, 256)
     ref = _layer("cpu", torch.float64)
@@ -97,6 +101,7 @@ def test_latent_moe_bf16_on_cuda_matches_float64(compiled):
     (out_ref * grad_out.double()).sum().backward()
 
     moe = _layer("cuda", torch.bfloat16)
+    moe.token_chunk = token_chunk
     fn = torch.compile(moe, fullgraph=True) if compiled else moe
     x_gpu = x.cuda().bfloat16().requires_grad_()
     out = fn(x_gpu)
