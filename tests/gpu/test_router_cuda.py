@@ -5,8 +5,8 @@ equal bit for bit (both compute σ as 1 / (1 + expf(-x)) with an IEEE division, 
 qb_route_triton.py), at the routing issue's E = 896, k = 16 and at the proxy's E = 64, k = 8;
 the weight gradient as relative RMS error. The bf16 layer (torch._grouped_mm, padded groups)
 against the same layer in float64 on CPU with identical routes forced by a large bias gap (also
-in token chunks, long context's `moe_token_chunk`), and
-its forward and backward free of host syncs (what CUDA graphs need).
+in token chunks, long context's `moe_token_chunk`), and its forward and backward free of host
+syncs (what CUDA graphs need).
 """
 
 import math
