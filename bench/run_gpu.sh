@@ -39,7 +39,12 @@ step short_conv python3 bench/short_conv.py --out "$out/short_conv.json"
 step moe_dispatch python3 bench/moe_dispatch.py --out "$out/moe_dispatch.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
-step long_context python3 bench/long_context.py --out "$out/long_context.json"
+# Issue 22: compiled, full AC; with the saved layer inputs offloaded and the MoE layers in token
+# chunks the plan expects 512K to fit one H200 and 1M not; each row carries planned / measured.
+step long_context python3 bench/long_context.py --compile --offload --moe-chunk 65536 \
+    --lengths 8192,65536,262144,524288,1048576 --out "$out/long_context.json"
+step long_context_nochunk python3 bench/long_context.py --compile \
+    --lengths 8192,65536,262144 --out "$out/long_context_nochunk.json"
 step compile python3 bench/compile.py --out "$out/compile.json"
 # Batch 4 × 4096: the batch of issue 17's table since the tenth session (every row fits, the
 # anchor at 120 GiB; an eager row that does not is kept as "out of memory").
