@@ -148,6 +148,14 @@ def test_reliability_fields_are_validated(argv, message):
     assert error_of(argv) == message
 
 
+def test_activation_offload_needs_full_activation_checkpointing():
+    # Without full AC, every layer's intermediates would cross PCIe twice a step.
+    assert error_of(["--training.activation_offload"]) == (
+        "training.activation_offload = true needs activation_checkpoint.mode = 'full', got "
+        "'selective'")
+    parse_job_config(["--training.activation_offload", "--activation_checkpoint.mode", "full"])
+
+
 DEGREE_PRODUCT = ("parallelism.data_parallel_replicate_degree x data_parallel_shard_degree x "
                   "context_parallel_degree x tensor_parallel_degree x pipeline_parallel_degree = ")
 
