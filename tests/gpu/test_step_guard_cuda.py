@@ -10,13 +10,8 @@ import math
 
 import pytest
 import torch
-from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.distributed import utils as tt_dist_utils
 
-from tests.train.test_step_guard import RoutedLinear, _step, _trace
-from titan_moe.model.quantile_balance import QuantileBalancer
-from titan_moe.train.optimizer import attach_load_balancing
-from titan_moe.train.step_guard import FiniteStepGuard
+from tests.train.test_step_guard import _guarded, _step, _trace, fused_clip_against_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,18 +19,8 @@ pytestmark = [
 ]
 
 
-def _cuda_guarded(monkeypatch) -> tuple[RoutedLinear, FiniteStepGuard]:
-    monkeypatch.setattr(tt_dist_utils, "clip_grad_norm_", tt_dist_utils.clip_grad_norm_)
-    model = RoutedLinear().cuda()
-    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 0.1, "fused": True})
-    attach_load_balancing(optimizers, [QuantileBalancer(model)])
-    guard = FiniteStepGuard(optimizers, max_consecutive=3)
-    assert guard.fused
-    return model, guard
-
-
 def test_a_fused_cuda_step_never_syncs_with_the_host(monkeypatch):
-    model, guard = _cuda_guarded(monkeypatch)
+    model, guard = _guarded(monkeypatch, implementation="fused", device="cuda")
     x = torch.randn(32, 8, device="cuda")
     _step(model, guard, 1, x)  # the first step: lazy state and kernel set-up
     guard.settle()
@@ -50,26 +35,11 @@ def test_a_fused_cuda_step_never_syncs_with_the_host(monkeypatch):
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e3], ids=["clipped", "unclipped"])
 def test_fused_cuda_clip_matches_torch_clip_then_adamw(monkeypatch, max_norm):
-    xs = torch.randn(3, 32, 8, generator=torch.Generator().manual_seed(3)).cuda()
-    xs = xs * torch.tensor([1.0, 20.0, 0.05], device="cuda").view(3, 1, 1)
-    model, guard = _cuda_guarded(monkeypatch)
-    reference = RoutedLinear().cuda()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, foreach=False)
-    balancer = QuantileBalancer(reference)
-    for step, x in enumerate(xs, 1):
-        _step(model, guard, step, x, max_norm=max_norm)
-        optimizer.zero_grad()
-        reference(x).backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
-        optimizer.step()
-        balancer.step()
-        torch.testing.assert_close(guard.grad_norm, norm, rtol=1e-6, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    fused_clip_against_reference(monkeypatch, max_norm, "cuda")
 
 
 def test_a_fused_cuda_nan_step_changes_nothing_and_is_counted(monkeypatch):
-    model, guard = _cuda_guarded(monkeypatch)
+    model, guard = _guarded(monkeypatch, implementation="fused", device="cuda")
     x1, x2 = torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(2)).cuda()
     _step(model, guard, 1, x1)
     before = _trace(model, guard)

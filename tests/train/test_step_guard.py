@@ -45,11 +45,11 @@ class RoutedLinear(nn.Module):
         return weights.sum() + self.proj(x).sum()
 
 
-def _guarded(monkeypatch, max_consecutive: int = 3,
-             implementation: str = "for-loop") -> tuple[RoutedLinear, FiniteStepGuard]:
+def _guarded(monkeypatch, max_consecutive: int = 3, implementation: str = "for-loop",
+             device: str = "cpu") -> tuple[RoutedLinear, FiniteStepGuard]:
     # The guard stands in for torchtitan's clip_grad_norm_; monkeypatch puts it back after.
     monkeypatch.setattr(tt_dist_utils, "clip_grad_norm_", tt_dist_utils.clip_grad_norm_)
-    model = RoutedLinear()
+    model = RoutedLinear().to(device)
     fused = implementation == "fused"
     optimizers = OptimizersContainer([model], torch.optim.AdamW,
                                      {"lr": 0.1, "fused": fused, "foreach": False})
@@ -149,14 +149,14 @@ def test_fused_consecutive_nan_steps_stop_at_the_next_log_or_save(monkeypatch):
         guard.settle()
 
 
-@pytest.mark.parametrize("max_norm", [0.5, 1e3], ids=["clipped", "unclipped"])
-def test_fused_clip_matches_torch_clip_then_adamw(monkeypatch, max_norm):
+def fused_clip_against_reference(monkeypatch, max_norm: float, device: str) -> None:
+    """3 fused steps against torch's clip_grad_norm_ then the for-loop AdamW, on `device`."""
     # Norms of about 37, 284 and 32: clipped to 0.5 they differ from the raw ones in ratio, which
     # Adam's update sees (a constant factor it would mostly normalise away).
-    xs = torch.randn(3, 32, 8, generator=torch.Generator().manual_seed(3))
-    xs = xs * torch.tensor([1.0, 20.0, 0.05]).view(3, 1, 1)
-    model, guard = _guarded(monkeypatch, implementation="fused")
-    reference = RoutedLinear()
+    xs = torch.randn(3, 32, 8, generator=torch.Generator().manual_seed(3)).to(device)
+    xs = xs * torch.tensor([1.0, 20.0, 0.05], device=device).view(3, 1, 1)
+    model, guard = _guarded(monkeypatch, implementation="fused", device=device)
+    reference = RoutedLinear().to(device)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, foreach=False)
     balancer = QuantileBalancer(reference)
     for step, x in enumerate(xs, 1):
@@ -174,6 +174,11 @@ def test_fused_clip_matches_torch_clip_then_adamw(monkeypatch, max_norm):
     torch.testing.assert_close(model.router.expert_bias, reference.router.expert_bias,
                                rtol=1e-5, atol=1e-6)
     assert guard.stats() == {"train/skipped_steps": 0}
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3], ids=["clipped", "unclipped"])
+def test_fused_clip_matches_torch_clip_then_adamw(monkeypatch, max_norm):
+    fused_clip_against_reference(monkeypatch, max_norm, "cpu")
 
 
 def test_a_fused_step_reads_nothing_back_before_its_update_is_queued(monkeypatch):
