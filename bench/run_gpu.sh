@@ -43,6 +43,10 @@ step router_precision python3 bench/router_precision.py --out "$out/router_preci
 # chunks the plan expects 512K to fit one H200 and 1M not; each row carries planned / measured.
 step long_context python3 bench/long_context.py --compile --offload --moe-chunk 65536 \
     --lengths 8192,65536,262144,524288,1048576 --out "$out/long_context.json"
+# Issue 22.4: the stage chain at 8K -> 16K -> 32K -> 64K, 30 steps each, resuming stage to stage;
+# the long-context evaluation of each stage lands in its TensorBoard folder.
+step stage_chain bash -c "python3 scripts/short_stages.py --steps 30 --out $out/stages && \
+    STAGE_DIR=$out/stages STAGES='8k 16k 32k 64k' scripts/run_stages.sh"
 step long_context_nochunk python3 bench/long_context.py --compile \
     --lengths 8192,65536,262144 --out "$out/long_context_nochunk.json"
 step compile python3 bench/compile.py --out "$out/compile.json"

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -146,3 +147,31 @@ def test_run_stages_stops_at_a_missing_stage_config(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: stage config not found: {tmp_path}/s64.toml "
                                      f"(STAGE_DIR={tmp_path}, STAGES=s64)")
+
+
+def test_short_stage_chain_configs_link_and_validate(tmp_path):
+    """scripts/short_stages.py (the chain at short lengths on one GPU): every stage config passes
+    the trainer's config check and starts from the previous stage's last checkpoint."""
+    import importlib.util
+    import tomllib
+
+    from titan_moe.train.config import parse_job_config
+
+    spec = importlib.util.spec_from_file_location("short_stages", REPO / "scripts/short_stages.py")
+    short_stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(short_stages)
+    assert short_stages.main(["--lengths", "8192,16384,32768", "--steps", "6",
+                              "--out", str(tmp_path)]) == 0
+    names = ["8k", "16k", "32k"]
+    configs = {name: tomllib.loads((tmp_path / f"{name}.toml").read_text()) for name in names}
+    for i, name in enumerate(names):
+        config = configs[name]
+        assert config["training"]["seq_len"] == 8192 * 2**i
+        assert config["training"]["steps"] == config["checkpoint"]["interval"] == 6
+        assert config["metrics"]["enable_tensorboard"] and config["eval"]["long_context"]
+        load = config["checkpoint"].get("initial_load_path")
+        assert load == (None if i == 0 else str(tmp_path / names[i - 1] / "checkpoint/step-6"))
+        parse_job_config(["--job.config_file", str(tmp_path / f"{name}.toml"),
+                          "--training.device", "cpu"])
+    with pytest.raises(SystemExit):
+        short_stages.main(["--lengths", "16384,8192", "--out", str(tmp_path)])
