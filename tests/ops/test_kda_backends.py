@@ -12,6 +12,7 @@ import torch
 
 from titan_moe.model.args import ConfigError, apply_overrides, get_flavor
 from titan_moe.ops.kda import KDA_BACKENDS, resolve_backend
+from titan_moe.ops.kda.chunk_common import CHUNK
 from titan_moe.ops.kda.fla_backend import (
     FLA_INSTALLED,
     _chunk_lower,
@@ -19,7 +20,6 @@ from titan_moe.ops.kda.fla_backend import (
     _sequences,
     document_sequences,
 )
-from titan_moe.ops.kda.intra_chunk import CHUNK
 from titan_moe.ops.static_documents import graph_sequence_bound
 
 

@@ -3,7 +3,7 @@
     naive.py            the references: the token loop and the chunked form in plain PyTorch
     chunk.py            the entry points chunk_kda / chunk_kda_fused_gate and their CUDA backend
     chunk_triton.py     our Triton op (titan_moe::chunk_kda_fwd/bwd) over the kernels:
-      intra_chunk.py      what the chunk kernels share: the gate, tile factors, documents, GEMMs
+      chunk_common.py     what the chunk kernels share: the gate, documents, the GEMM helper
       gate_cumsum.py      G = the gate's cumsum within each chunk, and dg from dG
       tile_products.py    A_qk and KK by 16-row tiles, and their backward into q, k and G
       ut_transform.py     Tinv, W, U (and the keys decayed to the chunk's end), and backward

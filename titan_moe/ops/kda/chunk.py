@@ -15,10 +15,10 @@ import functools
 import torch
 from torch import Tensor
 
+from titan_moe.ops.kda.chunk_common import CHUNK as CHUNK_SIZE
 from titan_moe.ops.kda.chunk_triton import chunk_kda_triton
 from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED, chunk_kda_fla
 from titan_moe.ops.kda.gate import kda_gate
-from titan_moe.ops.kda.intra_chunk import CHUNK as CHUNK_SIZE
 from titan_moe.ops.kda.naive import chunk_kda_torch
 from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
 

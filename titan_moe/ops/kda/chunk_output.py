@@ -8,7 +8,7 @@ S (A_qk is already zero across documents). Numeric range: exp(G_r) <= 1.
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.intra_chunk import chunk_documents
+from titan_moe.ops.kda.chunk_common import chunk_documents
 
 
 @triton.jit

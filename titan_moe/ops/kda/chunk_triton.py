@@ -21,10 +21,10 @@ import triton
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from titan_moe.ops.kda.chunk_common import CHUNK, SUBTILE
 from titan_moe.ops.kda.chunk_output import chunk_output_kernel
 from titan_moe.ops.kda.gate import validate_gate_params
 from titan_moe.ops.kda.gate_cumsum import gate_cumsum_bwd_kernel, gate_cumsum_kernel
-from titan_moe.ops.kda.intra_chunk import CHUNK, SUBTILE
 from titan_moe.ops.kda.naive import validate_kda_inputs
 from titan_moe.ops.kda.state_scan import (
     state_scan_bwd_kernel,
@@ -49,7 +49,7 @@ def _precision(x: Tensor) -> str:
 
 
 def _operand(x: Tensor) -> str:
-    """The GEMM operands of the kernels whose range argument allows bf16 (intra_chunk.mma)."""
+    """The GEMM operands of the kernels whose range argument allows bf16 (chunk_common.mma)."""
     if x.dtype == torch.float32:
         return "ieee"
     return "bf16_emulated" if triton.knobs.runtime.interpret else "bf16"

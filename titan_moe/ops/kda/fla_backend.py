@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from titan_moe.ops.kda.intra_chunk import CHUNK
+from titan_moe.ops.kda.chunk_common import CHUNK
 from titan_moe.ops.static_documents import cu_seqlens_from_starts, sequence_starts
 
 FLA_INSTALL_HINT = "pip install fla-core==0.6.0 (or pip install -e '.[gpu]')"

@@ -8,7 +8,7 @@ batch*head); G is padded to Tp = cdiv(T, C) * C rows, the rows past T holding g 
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.intra_chunk import chunk_documents, kda_gate_from_raw
+from titan_moe.ops.kda.chunk_common import chunk_documents, kda_gate_from_raw
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from about 512K tokens at H 16, K = V = 128.
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.intra_chunk import chunk_documents, mma
+from titan_moe.ops.kda.chunk_common import chunk_documents, mma
 
 
 @triton.jit

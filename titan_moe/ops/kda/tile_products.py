@@ -3,7 +3,7 @@
     A_qk[r,j] = sum_c q_rc k_jc exp(G_rc - G_jc)   j <= r, same document
     KK[r,j]   = sum_c k_rc k_jc exp(G_rc - G_jc)   j <  r, same document
 One program per (chunk, 16-row tile, batch*head), referenced at the tile's first row n
-(intra_chunk.py gives the numeric range), over K blocks:
+(chunk_common.py gives the numeric range), over K blocks:
 - the columns before the tile, one [16, BK] x [BK, C] GEMM on bf16 operands (OPERAND): both
   factors exp(G_r - G_n) and exp(G_n - G_j) are <= 1 there;
 - the tile itself, a [16, BK] x [BK, 16] GEMM on fp32 operands (PRECISION: tf32 for bf16
@@ -16,7 +16,7 @@ So no 64-row GEMM is masked down to 16 rows, and the tiles are small enough not 
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.intra_chunk import chunk_documents, mma
+from titan_moe.ops.kda.chunk_common import chunk_documents, mma
 
 
 @triton.jit
@@ -165,7 +165,7 @@ def tile_products_bwd_kernel(
     dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
 
     row_factor = tl.exp(G_s - G_n)  # <= 1
-    col_factor = tl.exp(G_n - G_s)  # <= exp(75), intra_chunk.py
+    col_factor = tl.exp(G_n - G_s)  # <= exp(75), chunk_common.py
     after_factor = tl.exp(G_m - G_s)  # <= 1
     k_tile = k_s * col_factor
     dq_a = row_factor * (mma(dA_rows, k_before, PRECISION) + mma(dA_tile, k_tile, PRECISION))

@@ -14,7 +14,7 @@ unit-lower inverse's entries stay below 2^63 (the bound of C = 64 forward substi
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.intra_chunk import chunk_documents, mma
+from titan_moe.ops.kda.chunk_common import chunk_documents, mma
 
 
 @triton.jit

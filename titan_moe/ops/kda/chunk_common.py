@@ -5,7 +5,7 @@ For a chunk of C = 64 tokens with G = cumsum(g) from the chunk start and Gamma =
     KK[r,j]   = sum_c k_rc k_jc exp(G_rc - G_jc)        j <  r, same document
     Tinv = (I + Diag(beta) KK)^{-1},   W = Tinv (beta * Gamma * K),   U = Tinv (beta * V)
 gate_cumsum.py writes G, tile_products.py A_qk and KK by 16-row tiles, ut_transform.py Tinv, W
-and U; here are the gate, the tile decay factors, the chunk's documents and the GEMM helper.
+and U; here are the gate, the chunk's documents and the GEMM helper.
 
 Numeric range, the reason the 16-token tiles are dense tensor-core GEMMs: with g in [-5, 0]
 (the lower-bounded gate), exp(G_r - G_j) is split at the first row n of r's 16-row tile as
@@ -43,23 +43,6 @@ def mma(a, b, OPERAND: tl.constexpr):
 def kda_gate_from_raw(g_raw, A_log_h, dt_bias_row, g_min):
     """g = g_min * sigmoid(exp(A_log_h) * (g_raw + dt_bias)): the lower-bounded gate."""
     return g_min * tl.sigmoid(tl.exp(A_log_h) * (g_raw + dt_bias_row[None, :]))
-
-
-@triton.jit
-def tile_decay_factors(G, rows, i, SUBTILE: tl.constexpr):
-    """(row factor, column factor) of row tile i, referenced at its first row n.
-
-    Row factor exp(G_r - G_n) for r in the tile (0 elsewhere: those rows take no part);
-    column factor exp(G_n - G_j) for j before the tile's end (0 after it, never overflowing).
-    """
-    in_tile = (rows >= i * SUBTILE) & (rows < (i + 1) * SUBTILE)
-    reach = rows < (i + 1) * SUBTILE
-    G_ref = tl.sum(tl.where(rows[:, None] == i * SUBTILE, G, 0.0), axis=0)
-    row_factor = tl.where(in_tile[:, None], tl.exp(tl.where(in_tile[:, None], G - G_ref[None, :],
-                                                             0.0)), 0.0)
-    col_factor = tl.where(reach[:, None], tl.exp(tl.where(reach[:, None], G_ref[None, :] - G,
-                                                           0.0)), 0.0)
-    return row_factor, col_factor
 
 
 @triton.jit
