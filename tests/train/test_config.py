@@ -294,6 +294,9 @@ PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2' and the fu
     (["--training.loss_chunk", "32"],
      "parallelism.pipeline_parallel_degree = 2 does not support training.loss_chunk > 0"
      + PP_UNSUPPORTED),
+    (["--training.activation_offload", "--activation_checkpoint.mode", "full"],
+     "parallelism.pipeline_parallel_degree = 2 does not support training.activation_offload"
+     + PP_UNSUPPORTED),
     (["--titan_moe.vision", "debug", "--multimodal_eval.freq", "5"],
      "parallelism.pipeline_parallel_degree = 2 does not support multimodal_eval.freq > 0"
      + PP_UNSUPPORTED),

@@ -263,6 +263,7 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
         "training.loss_chunk > 0": training.loss_chunk > 0,
+        "training.activation_offload": training.activation_offload,
         "multimodal_eval.freq > 0": job_config.multimodal_eval.freq > 0,
         "eval.long_context": job_config.eval.long_context,
         "validation.enable": job_config.validation.enable,

@@ -30,12 +30,13 @@ torchtitan's `global_max_loss` divides a rank's loss by the token count of its w
 under CP it reads about 1/cp of the largest slab mean; `global_avg_loss` is exact.
 """
 
+import contextlib
 import math
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -223,14 +224,6 @@ def register_titan_moe() -> None:
         register_train_spec(MODEL_NAME, titan_moe_train_spec())
 
 
-def _saved_on_cpu(step: Callable[..., torch.Tensor],
-                  pin_memory: bool) -> Callable[..., torch.Tensor]:
-    def run(**kwargs) -> torch.Tensor:
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
-            return step(**kwargs)
-    return run
-
-
 class TitanMoETrainer(PlatformTrainer):
     """torchtitan's Trainer on our platform adapter, with the titan_moe TrainSpec registered.
 
@@ -294,16 +287,17 @@ class TitanMoETrainer(PlatformTrainer):
         if self.cudagraphs and input_dict.get("doc_ids") is not None:
             check_graph_sequences(input_dict["doc_ids"])
         step = super().forward_backward_step
-        if self.job_config.training.activation_offload:
-            # The checkpoints' own hooks sit inside this one, so only what they keep (the layer
-            # inputs) and what is saved outside the layers goes to the host.
-            step = _saved_on_cpu(step, pin_memory=self.device.type == "cuda")
+        # The checkpoints' own hooks sit inside this one, so only what they keep (the layer
+        # inputs) and what is saved outside the layers goes to the host (no pipeline: config.py).
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+                   if self.job_config.training.activation_offload else contextlib.nullcontext())
         if self.parallel_dims.pp_enabled:
             loss = self.pipeline_step(input_dict, labels, **kwargs)
         elif not self.job_config.training.loss_chunk:
-            loss = step(input_dict=input_dict, labels=labels, **kwargs)
+            with offload:
+                loss = step(input_dict=input_dict, labels=labels, **kwargs)
         else:
-            with hidden_from_head(self.head):
+            with offload, hidden_from_head(self.head):
                 loss = step(input_dict=input_dict, labels=labels, **kwargs)
         self.step_guard.add_loss(loss)
         return loss
