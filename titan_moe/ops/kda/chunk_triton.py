@@ -55,10 +55,12 @@ def _operand(x: Tensor) -> str:
     return "bf16_emulated" if triton.knobs.runtime.interpret else "bf16"
 
 
-def _blocks(d_k: int, d_v: int) -> tuple[int, int]:
-    """(the whole K padded to a power of two: the scans' state rows, the V block)."""
+def _blocks(d_k: int, d_v: int) -> tuple[int, int, int]:
+    """(the whole K padded to a power of two: the scans' state rows, the V block, the K and V
+    block of the parallel kernels)."""
     block_k = max(triton.next_power_of_2(d_k), 16)
-    return block_k, min(max(triton.next_power_of_2(d_v), 16), BLOCK_V)
+    block_v = min(max(triton.next_power_of_2(d_v), 16), BLOCK_V)
+    return block_k, block_v, min(block_k, BLOCK_INTRA)
 
 
 def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
@@ -66,8 +68,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
     padded = n_chunks * CHUNK
-    block_k, block_v = _blocks(d_k, d_v)
-    block = min(block_k, BLOCK_INTRA)
+    _, block_v, block = _blocks(d_k, d_v)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(batch, padded, heads, d_k, **f32)
     A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
@@ -98,7 +99,7 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precisi
     batch, _, heads, d_k = K_d.shape
     d_v = U.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
-    block_k, block_v = _blocks(d_k, d_v)
+    block_k, block_v, _ = _blocks(d_k, d_v)
     f32 = dict(device=K_d.device, dtype=torch.float32)
     h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
     v_new = torch.empty_like(U)
@@ -134,7 +135,7 @@ def chunk_kda_fwd(
     h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
                                    seq_len, _precision(q))
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
-    block_k, block_v = _blocks(d_k, d_v)
+    block_k, block_v, _ = _blocks(d_k, d_v)
     grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
     wrap_triton(chunk_output_kernel)[grid](
         q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
@@ -164,7 +165,7 @@ def chunk_kda_bwd(
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
-    block_k, block_v = _blocks(d_k, d_v)
+    block_k, block_v, block = _blocks(d_k, d_v)
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
     h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len, _precision(q))
     # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
@@ -184,7 +185,6 @@ def chunk_kda_bwd(
     f32 = dict(device=q.device, dtype=torch.float32)
     d_qg, d_w, d_kd, dG = (torch.empty_like(K_d) for _ in range(4))
     d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
-    block = min(block_k, BLOCK_INTRA)
     n_k_blocks = triton.cdiv(d_k, block)
     wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, seq_len,
