@@ -128,6 +128,12 @@ class Saved(NamedTuple):
     total: int  # bytes of the distinct storages saved for backward
     largest: int  # the largest of them
 
+    @property
+    def recompute(self) -> int:
+        """What a checkpointed layer's backward holds: its recompute's saved tensors, and the
+        gradients of its largest op's output and input, alive together while that op runs."""
+        return self.total + 2 * self.largest
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -386,9 +392,7 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
         if _checkpointed(cfg, i):
-            # Its recompute's saved tensors, and the gradients of its largest op's output and
-            # input, alive together while that op runs backward.
-            recompute = max(recompute, per_kind[kind].total + 2 * per_kind[kind].largest)
+            recompute = max(recompute, per_kind[kind].recompute)
         else:
             saved += per_kind[kind].total
     if cfg.offload:
@@ -507,8 +511,7 @@ def largest_recompute(cfg: PlanConfig) -> tuple[int, float]:
     sizes = {}
     for i in range(cfg.args.n_layers):
         if _checkpointed(cfg, i):
-            s = layer_activation_bytes(cfg.args, i, cfg.local_batch, t)
-            sizes[i] = s.total + 2 * s.largest
+            sizes[i] = layer_activation_bytes(cfg.args, i, cfg.local_batch, t).recompute
     if not sizes:
         return -1, 0.0
     layer = max(sizes, key=sizes.get)
