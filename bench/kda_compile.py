@@ -15,48 +15,19 @@ Figures are this host's CPU, not the GPU machine's; compare kernels and variants
 """
 
 import argparse
-import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import triton
 from report import write_json
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton_static import recorded_launches, resource_usage, source
 
 from titan_moe.cli_args import positive
 from titan_moe.ops.kda import chunk_triton
-
-TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
-
-
-def recorded_launches(ops_module: ModuleType, run: Callable[[], object]) -> list[tuple]:
-    """(kernel, positional args, keyword args) of every launch run() makes through
-    ops_module.wrap_triton, recorded instead of launched (CPU tensors will do)."""
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
-    original = ops_module.wrap_triton
-    ops_module.wrap_triton = Recorder
-    try:
-        run()
-    finally:
-        ops_module.wrap_triton = original
-    return launches
 
 
 def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.dtype,
@@ -74,42 +45,6 @@ def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.d
         chunk_triton.chunk_kda_bwd._init_fn(*common, torch.zeros_like(v), None, d**-0.5, -5.0)
 
     return recorded_launches(chunk_triton, run)
-
-
-def source(kernel, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
-    """The kernel's ASTSource with the launcher's argument types, and its compile options."""
-    names = kernel.arg_names
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(names, args, strict=False)) | kwargs
-    signature, constexprs = {}, {}
-    for i, name in enumerate(names):
-        value = values[name]
-        if kernel.params[i].is_constexpr or value is None:
-            signature[name] = "constexpr"
-            constexprs[(i,)] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + TRITON_DTYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32"
-        else:
-            signature[name] = "fp32"
-    return ASTSource(kernel, signature, constexprs=constexprs), options
-
-
-def resource_usage(ptx: str, arch: int) -> dict[str, int]:
-    """ptxas -v's registers a thread and spill bytes (stores + loads) for the PTX's kernel."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
-        file.write(ptx)
-        file.flush()
-        log = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", file.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    registers = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"registers": int(registers.group(1)) if registers else -1,
-            "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else -1}
 
 
 def main(argv: list[str] | None = None) -> int:

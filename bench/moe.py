@@ -1,4 +1,4 @@
-"""MoE benchmark: our LatentMoE layer and sigmoid QB router against torchtitan 0.2.2's MoE.
+"""MoE benchmark: our LatentMoE layer against torchtitan 0.2.2's MoE.
 
     python bench/moe.py                         # H200: the shapes of the QB routing issue
     python bench/moe.py --tiny                  # smoke run at tiny shapes (CPU)
@@ -10,12 +10,8 @@ eager and compiled (median of --iters after --warmup), for:
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
 The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
 E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
-Routing alone, at --route-shape (default T 16384, E 896, k 16, d 7168), given the fp32 logits:
-our qb_route (the one-pass Triton op on CUDA: σ, top-(k+1), weights, QB histogram, load)
-against σ + torch.topk(k+1) + weights + a separate scatter histogram (`qb_histogram`); also the
-router GEMM + σ and the whole Router forward (GEMM + op + accumulation). Prints a table and
-writes JSON (--out). torchtitan's MoE is timed on CUDA only: its router calls torch.histc on
-int64, which has no CPU kernel.
+Prints a table and writes JSON (--out). torchtitan's MoE is timed on CUDA only: its router calls
+torch.histc on int64, which has no CPU kernel. The router alone: bench/qb_route.py.
 """
 
 import argparse
@@ -27,13 +23,9 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.moe import LatentMoE
-from titan_moe.model.router import Router
-from titan_moe.ops.router import qb_route
-from titan_moe.ops.router.histogram import qb_histogram
 
 ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8;3584,3072,384,16"
-TINY = {"tokens": 64, "shapes": "32,16,8,2", "route_shape": "64,16,2,32", "warmup": 1,
-        "iters": 2}
+TINY = {"tokens": 64, "shapes": "32,16,8,2", "warmup": 1, "iters": 2}
 
 
 def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dtype: torch.dtype):
@@ -71,42 +63,11 @@ def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters) -> 
             "fwd_bwd_ms": timed(fwd_bwd, device, warmup, iters)}
 
 
-def bench_routing(tokens, experts, k, d, device, warmup, iters) -> dict:
-    router = Router(d, experts, k).to(device).train()
-    router.init_weights(0.02)
-    x = torch.randn(tokens, d, device=device)
-    logits = x @ router.weight.t()
-    bias = router.expert_bias
-
-    def gemm_sigmoid():
-        return torch.sigmoid(x @ router.weight.t())
-
-    def ours_given_logits():
-        return qb_route(logits, bias, k)
-
-    def topk_plus_histogram_given_logits():
-        s = torch.sigmoid(logits)
-        vals, ids = torch.topk(s + bias, k + 1)
-        chosen = s.gather(-1, ids[:, :k])
-        hist = qb_histogram(s, vals[:, k], bias)
-        return chosen / chosen.sum(-1, keepdim=True), hist
-
-    def whole_router():
-        return router(x)
-
-    return {"gemm_sigmoid_ms": timed(gemm_sigmoid, device, warmup, iters),
-            "ours_given_logits_ms": timed(ours_given_logits, device, warmup, iters),
-            "topk_plus_histogram_given_logits_ms": timed(
-                topk_plus_histogram_given_logits, device, warmup, iters),
-            "whole_router_ms": timed(whole_router, device, warmup, iters)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=positive, default=16384)
     parser.add_argument("--shapes", default=ISSUE_SHAPES, help="d,hidden,E,k;...")
-    parser.add_argument("--route-shape", default="16384,896,16,7168", help="T,E,k,d")
     parser.add_argument("--warmup", type=non_negative, default=3)
     parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--no-compile", action="store_true")
@@ -136,13 +97,9 @@ def main() -> None:
                 rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
                 print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
                       f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
-    t, e, k, d = (int(v) for v in opts.route_shape.split(","))
-    routing = bench_routing(t, e, k, d, opts.device, opts.warmup, opts.iters)
-    print(f"routing T={t} E={e} k={k} d={d}: " + ", ".join(
-        f"{name} {ms:.3f}" for name, ms in routing.items()))
     result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
               "torch": torch.__version__, "tokens": opts.tokens, "dtype": str(dtype),
-              "layers": rows, "routing": {"shape": [t, e, k, d], **routing}}
+              "layers": rows}
     with open(opts.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {opts.out}")

@@ -37,6 +37,7 @@ step kda python3 bench/kda.py --out "$out/kda.json"
 step attn_res python3 bench/attn_res.py --out "$out/attn_res.json"
 step short_conv python3 bench/short_conv.py --out "$out/short_conv.json"
 step moe_dispatch python3 bench/moe_dispatch.py --out "$out/moe_dispatch.json"
+step qb_route python3 bench/qb_route.py --out "$out/qb_route.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 # Issue 22: compiled, full AC; with the saved layer inputs offloaded and the MoE layers in token

@@ -87,8 +87,8 @@ def bench(impl, shape, head_dim, doc_len, device, dtype, warmup, iters, bandwidt
 
 def compile_times(shape, head_dim: int, doc_len: int, arch: int) -> list[dict]:
     """Seconds to compile each kernel of one forward and backward for sm_<arch>, cold."""
-    from kda_compile import recorded_launches, source
     from triton.backends.compiler import GPUTarget
+    from triton_static import recorded_launches, source
 
     kernels = sys.modules["titan_moe.ops.short_conv.short_conv_triton"]
     batch, seq_len, channels, taps = shape

@@ -73,6 +73,21 @@ def run_case(n_tokens, n_experts, k, route_scale, n_bins, kind, with_valid, with
     return report
 
 
+def run_launch_shapes() -> dict:
+    """Every (BLOCK_T, num_warps) gives the reference's bits, as bench/qb_route.py assumes when it
+    times one against another: rows split over programs (partial last program) and over warps."""
+    from titan_moe.ops.router.qb_route_triton import launch_qb_route
+
+    logits, bias, valid = make_inputs(21, 300, "ties", True, torch.float32)
+    want = qb_route_naive(logits, bias, 16, 1.0, 1000, valid)
+    report = {}
+    for block_t, num_warps in ((1, 1), (4, 1), (2, 4), (8, 8)):
+        got = launch_qb_route(logits, bias, valid, 16, 1.0, 1000, True, (block_t, num_warps))
+        report[f"{block_t}x{num_warps}"] = all(
+            torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    return report
+
+
 def run_opcheck() -> dict:
     from titan_moe.ops.router import qb_route_triton
 
@@ -95,6 +110,10 @@ def test_opcheck_schema_and_autograd(results):
     report = results["opcheck"]
     assert "error" not in report, report.get("error")
     assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_launch_shapes_give_the_same_bits(results):
+    assert results["launch_shapes"] == {"1x1": True, "4x1": True, "2x4": True, "8x8": True}
 
 
 def _loop_reference(logits, bias, k, route_scale, n_bins, valid):
@@ -163,4 +182,5 @@ def test_bad_inputs_name_the_field(shape, bias_shape, k, valid_shape, field):
 
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
-    print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))
+    print(json.dumps({**reports, "opcheck": guarded(run_opcheck),
+                      "launch_shapes": guarded(run_launch_shapes)}))

@@ -1,12 +1,14 @@
 """Sigmoid top-(k+1) routing and the QB histogram in one Triton pass over the logits.
 
-One program takes BLOCK_T tokens and holds their full rows of E scores in registers:
-    s = σ(logit);  key = (order-preserving int32 of s + b) << 32 | (0xFFFF - e)
-k+1 rounds of a row max over the int64 keys give the top-(k+1) of s + b with ties to the lower
-expert index (equal values compare by the low half, which is larger for a lower index), one
-reduction a round; the chosen key is then knocked out. The k routed scores are re-read (L1-hot)
-and summed left to right, so the weights are bit-equal to `naive.qb_route_naive`; the (k+1)-th
-key decodes to alpha exactly, and each (token, expert) bin of r = alpha - s is counted with a
+One program takes whole rows of E scores and holds them in registers, one warp a program up to
+E = 2048: a row's reductions are then single warp instructions (sm_80+ `redux`), with no shared
+memory and no barrier. (Eight warps over four rows, as before, paid two barriers a reduction.)
+    s = σ(logit);  key = order-preserving int32 of s + b
+k+1 rounds each take the row max of the keys, the lowest expert index holding it (ties go to the
+lower index), and knock that one key out; int32 keys need one min/max instruction an element
+where int64 (value, index) pairs needed four. The k routed scores are re-read (L1-hot) and
+summed left to right, so the weights are bit-equal to `naive.qb_route_naive`; the (k+1)-th max
+decodes to alpha exactly, and each (token, expert) bin of r = alpha - s is counted with a
 relaxed atomic add into [E, n_bins] int32, each routed slot into the [E] load. Nothing [T, E]
 is written. The histogram range and scale come from `qb_range`, computed by PyTorch, so bins
 are the reference's bit for bit.
@@ -30,8 +32,9 @@ from triton.language.extra import libdevice
 
 from titan_moe.ops.router.histogram import qb_range
 
-MAX_EXPERTS = 1 << 16  # the key's low half holds 0xFFFF - e
-ROW_ELEMENTS = 4096  # BLOCK_T * BLOCK_E per program: the keys stay in registers
+MAX_EXPERTS = 1 << 16
+WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
+KNOCKED_OUT: tl.constexpr = tl.constexpr(-(2**31))  # below every key of a real score
 
 
 @triton.jit
@@ -52,8 +55,8 @@ def _order_key(v):
 
 @triton.jit
 def _key_value(key):
-    ordered = (key >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    """The inverse of _order_key."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -78,21 +81,19 @@ def qb_route_kernel(
     s = _sigmoid(x, LIBDEVICE)
     b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
     # s > 0, so s + b is never -0.0 and the int order equals the float order.
-    key = (_order_key(s + b[None, :]).to(tl.int64) << 32) | (0xFFFF - cols[None, :]).to(tl.int64)
-    knocked_out = tl.full([BLOCK_T, BLOCK_E], -(2**62), tl.int64) * 2
-    key = tl.where(in_tile, key, knocked_out)
+    key = tl.where(in_tile, _order_key(s + b[None, :]), KNOCKED_OUT)
 
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     total = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(key, axis=1)
-        e = 0xFFFF - (best & 0xFFFF)
+        e = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK_E), axis=1)
         s_e = _sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
         total += s_e
         ids = tl.where(slots[None, :] == j, e[:, None], ids)
         chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
-        key = tl.where(key == best[:, None], knocked_out, key)
+        key = tl.where(cols[None, :] == e[:, None], KNOCKED_OUT, key)
 
     slot_ok = row_ok[:, None] & (slots[None, :] < K)
     out_offs = rows.to(tl.int64)[:, None] * K + slots[None, :]
@@ -116,6 +117,14 @@ def qb_route_kernel(
         tl.atomic_add(load_ptr + ids, 1, mask=slot_ok & counted[:, None], sem="relaxed")
 
 
+def launch_shape(n_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, num_warps): 32 keys a lane for short rows (many rows a warp, e.g. 16 at
+    E = 64), one row a warp up to WARP_ROW_ELEMENTS, more warps a row only beyond."""
+    block_e = triton.next_power_of_2(n_experts)
+    num_warps = min(32, max(1, block_e // WARP_ROW_ELEMENTS))
+    return max(1, 1024 // block_e), block_e, num_warps
+
+
 def validate_route_inputs(logits: Tensor, bias: Tensor, top_k: int, valid: Tensor | None) -> None:
     if logits.ndim != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits.shape)}")
@@ -130,6 +139,41 @@ def validate_route_inputs(logits: Tensor, bias: Tensor, top_k: int, valid: Tenso
         raise ValueError(f"valid must be [T]=[{n_tokens}], got {tuple(valid.shape)}")
 
 
+def launch_qb_route(
+    logits: Tensor,
+    bias: Tensor,
+    valid: Tensor | None,
+    top_k: int,
+    route_scale: float,
+    n_bins: int,
+    with_histogram: bool,
+    block_t_and_warps: tuple[int, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's body: one kernel launch, at `launch_shape` unless (BLOCK_T, num_warps) is given
+    (bench/qb_route.py compares launch shapes; every shape gives the same bits)."""
+    validate_route_inputs(logits, bias, top_k, valid)
+    logits = logits.contiguous()
+    n_tokens, n_experts = logits.shape
+    ids = torch.empty(n_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(n_tokens, top_k, dtype=torch.float32, device=logits.device)
+    n_hist = n_experts if with_histogram else 0
+    hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
+    load = torch.zeros(n_hist, dtype=torch.int32, device=logits.device)
+    lo, hi = qb_range(bias)
+    bin_range = torch.stack([lo, n_bins / (hi - lo)])
+    block_t, block_e, num_warps = launch_shape(n_experts)
+    if block_t_and_warps is not None:
+        block_t, num_warps = block_t_and_warps
+    wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
+        logits, bias.float().contiguous(), valid, bin_range, ids, weights, hist, load,
+        n_tokens, logits.stride(0), route_scale,
+        E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
+        WITH_HIST=with_histogram, LIBDEVICE=logits.is_cuda, num_warps=num_warps,
+    )  # fmt: skip
+    return ids, weights, hist, load
+
+
 @triton_op("titan_moe::qb_route", mutates_args={})
 def qb_route_triton(
     logits: Tensor,
@@ -142,26 +186,7 @@ def qb_route_triton(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`naive.qb_route_naive` in one kernel: logits [T, E] (fp32/bf16/fp16) -> ids [T, k] int64,
     weights [T, k] fp32, hist [E, n_bins] int32, load [E] int32 (0 rows without histogram)."""
-    validate_route_inputs(logits, bias, top_k, valid)
-    logits = logits.contiguous()
-    n_tokens, n_experts = logits.shape
-    ids = torch.empty(n_tokens, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(n_tokens, top_k, dtype=torch.float32, device=logits.device)
-    n_hist = n_experts if with_histogram else 0
-    hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
-    load = torch.zeros(n_hist, dtype=torch.int32, device=logits.device)
-    lo, hi = qb_range(bias)
-    bin_range = torch.stack([lo, n_bins / (hi - lo)])
-    block_e = triton.next_power_of_2(n_experts)
-    block_t = max(1, min(64, ROW_ELEMENTS // block_e))
-    wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
-        logits, bias.float().contiguous(), valid, bin_range, ids, weights, hist, load,
-        n_tokens, logits.stride(0), route_scale,
-        E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
-        WITH_HIST=with_histogram, LIBDEVICE=logits.is_cuda, num_warps=8 if block_e >= 1024 else 4,
-    )  # fmt: skip
-    return ids, weights, hist, load
+    return launch_qb_route(logits, bias, valid, top_k, route_scale, n_bins, with_histogram)
 
 
 def _setup_context(ctx, inputs, output) -> None:

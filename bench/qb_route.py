@@ -1,0 +1,143 @@
+"""QB routing benchmark: our qb_route op against torch.topk + a scatter histogram, given logits.
+
+    python bench/qb_route.py              # H200: T 16384, E 896, k 16, d 7168 (target: op 0.2 ms)
+    python bench/qb_route.py --static     # any host: each launch shape compiled for sm_90
+
+At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters after --warmup):
+  op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the QB
+                histogram and the load in one kernel);
+  op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
+                its outputs equal the op's bit for bit;
+  torch         σ + torch.topk(k+1) + renormalised weights + the scatter histogram (qb_histogram),
+                what the op replaces;
+  gemm+σ        the router GEMM x [T, d] @ W^T in fp32, and σ;
+  router        the whole Router forward (GEMM, op, statistics).
+The floor is the op's compulsory bytes (logits read, ids and weights written, the histogram
+zeroed and counted) over the measured copy bandwidth. --static compiles each launch shape for
+--arch with no GPU (Triton ships ptxas and nvdisasm) and reports registers, spills, barriers and
+SASS instructions a token row: the kernel has no runtime loop, so that is what a warp issues per
+row, a GPU-free proxy for the op's issue-bound time. Prints a table and writes JSON (--out).
+"""
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from report import write_json
+from timing import copy_bandwidth, event_timed
+
+from titan_moe.cli_args import non_negative, positive
+from titan_moe.model.router import Router
+from titan_moe.ops.router import qb_route
+from titan_moe.ops.router.histogram import qb_histogram
+
+# The package exports the op under the module's name, so import the module by its path.
+qb_module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
+N_BINS = 1000
+
+
+def launch_shapes(spec: str) -> list[tuple[int, int]]:
+    """"BT,W;BT,W" -> [(BLOCK_T, num_warps)], each a power of two."""
+    shapes = [tuple(int(v) for v in item.split(",")) for item in spec.split(";") if item]
+    for shape in shapes:
+        if len(shape) != 2 or any(v < 1 or v & (v - 1) for v in shape):
+            raise argparse.ArgumentTypeError(
+                f"--launch-shapes: each item is BLOCK_T,num_warps, both powers of two; got {shape}")
+    return shapes
+
+
+def static_row(tokens: int, experts: int, k: int, shape: tuple[int, int], arch: int) -> dict:
+    """Registers, spills, barriers and SASS instructions a token row of one launch shape."""
+    from triton.backends.compiler import GPUTarget
+    from triton_static import recorded_launches, resource_usage, sass_opcodes, source
+
+    logits, bias = torch.zeros(tokens, experts), torch.zeros(experts)
+    (kernel, args, kwargs), = recorded_launches(qb_module, lambda: qb_module.launch_qb_route(
+        logits, bias, None, k, 1.0, N_BINS, True, shape))
+    src, options = source(kernel, args, dict(kwargs))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    opcodes = sass_opcodes(compiled.asm["cubin"])
+    block_t, num_warps = shape
+    return {**resource_usage(compiled.asm["ptx"], arch), "barriers": opcodes["BAR"],
+            "sass_per_row": sum(opcodes.values()) * num_warps / block_t}
+
+
+def op_bytes(tokens: int, experts: int, k: int) -> int:
+    """Logits read, ids (int64) and weights (fp32) written, the histogram zeroed and counted."""
+    return tokens * experts * 4 + tokens * k * 12 + 2 * experts * N_BINS * 4
+
+
+def timed_rows(tokens, experts, k, d, shapes, warmup, iters) -> list[dict]:
+    router = Router(d, experts, k).cuda().train()
+    router.init_weights(0.02)
+    x = torch.randn(tokens, d, device="cuda")
+    logits = x @ router.weight.t()
+    bias = router.expert_bias
+    want = qb_route(logits, bias, k)
+
+    def torch_route():
+        s = torch.sigmoid(logits)
+        vals, ids = torch.topk(s + bias, k + 1)
+        chosen = s.gather(-1, ids[:, :k])
+        return chosen / chosen.sum(-1, keepdim=True), qb_histogram(s, vals[:, k], bias)
+
+    rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
+             "ms": event_timed(lambda: qb_route(logits, bias, k), "cuda", warmup, iters)}]
+    for shape in shapes:
+        def launch(shape=shape):
+            return qb_module.launch_qb_route(logits, bias, None, k, 1.0, N_BINS, True, shape)
+        equal = all(torch.equal(g, w) for g, w in zip(launch(), want, strict=True))
+        rows.append({"impl": f"op {shape[0]}x{shape[1]}", "launch": list(shape), "equal": equal,
+                     "ms": event_timed(launch, "cuda", warmup, iters)})
+    rows.append({"impl": "torch", "ms": event_timed(torch_route, "cuda", warmup, iters)})
+    rows.append({"impl": "gemm+σ", "ms": event_timed(
+        lambda: torch.sigmoid(x @ router.weight.t()), "cuda", warmup, iters)})
+    rows.append({"impl": "router", "ms": event_timed(lambda: router(x), "cuda", warmup, iters)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="16384,896,16,7168", help="T,E,k,d")
+    parser.add_argument("--launch-shapes", type=launch_shapes, default="1,1;2,1;2,2;4,4;4,8",
+                        help="BLOCK_T,num_warps;... compared with the op's own")
+    parser.add_argument("--static", action="store_true",
+                        help="compile each launch shape for --arch (no GPU needed), no timing")
+    parser.add_argument("--arch", type=positive, default=90, help="CUDA compute capability")
+    parser.add_argument("--warmup", type=non_negative, default=5)
+    parser.add_argument("--iters", type=positive, default=50)
+    parser.add_argument("--out", type=Path, default=Path("qb_route.json"))
+    opts = parser.parse_args(argv)
+    tokens, experts, k, d = (int(v) for v in opts.shape.split(","))
+    block_t, _, num_warps = qb_module.launch_shape(experts)
+    others = [s for s in opts.launch_shapes if s != (block_t, num_warps)]
+    rows = []
+    if opts.static:
+        print(f"T {tokens}, E {experts}, k {k}: launch shapes compiled for sm_{opts.arch} "
+              f"(the op's own first)")
+        print(f"{'BTxW':<6} {'regs':>5} {'spill B':>8} {'BAR':>5} {'SASS/row':>9}")
+        for shape in [(block_t, num_warps), *others]:
+            row = {"launch": list(shape), **static_row(tokens, experts, k, shape, opts.arch)}
+            rows.append(row)
+            print(f"{shape[0]}x{shape[1]:<4} {row['registers']:5d} {row['spill_bytes']:8d} "
+                  f"{row['barriers']:5d} {row['sass_per_row']:9.0f}", flush=True)
+    elif not torch.cuda.is_available():
+        parser.error("timing needs CUDA; --static compiles for the GPU on any host")
+    else:
+        floor_ms = op_bytes(tokens, experts, k) / copy_bandwidth("cuda") / 1e6
+        rows = timed_rows(tokens, experts, k, d, others, opts.warmup, opts.iters)
+        print(f"T {tokens}, E {experts}, k {k}, d {d}, fp32 logits; op floor {floor_ms:.3f} ms")
+        print(f"{'impl':<10} {'ms':>8} {'x floor':>8} {'equal':>6}")
+        for row in rows:
+            row["floor_ms"] = floor_ms
+            print(f"{row['impl']:<10} {row['ms']:8.3f} {row['ms'] / floor_ms:8.1f} "
+                  f"{str(row.get('equal', '')):>6}")
+    write_json(opts.out, opts, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
