@@ -13,11 +13,14 @@ the peak memory of forward+backward. --doc-len N splits every row into documents
 the model's layout (the state restarts at each; fla's kernels then run varlen); fla's own
 `chunk_kda` has no such input, so with --doc-len only our entry points run (both backends).
 Then (--layer-memory) the peak memory of one proxy-sized
-KDA layer's forward+backward against T. Prints tables, writes JSON.
+KDA layer's forward+backward against T. --block-v N runs ours with another V block (the state
+scans' split of the state, so their programs: B·H·V/N). bench/kda_memory.py predicts the peaks
+on a host without a GPU. Prints tables, writes JSON.
 fla's first call at a new shape autotunes for minutes: keep ~/.triton/cache between runs.
 """
 
 import argparse
+import importlib
 import json
 import statistics
 from collections.abc import Callable
@@ -185,8 +188,16 @@ def main() -> None:
                         help="T values for the layer memory table ('' to skip; CUDA only)")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel device times of ours at each shape (CUDA)")
+    parser.add_argument("--block-v", type=positive, default=None,
+                        help="ours with this V block (a power of two, at least 16) in the state "
+                             "scans and the V-parallel kernels, instead of the op's own")
     parser.add_argument("--out", default="bench/kda.json")
     opts = parser.parse_args()
+    if opts.block_v is not None:
+        if opts.block_v < 16 or opts.block_v & (opts.block_v - 1):
+            parser.error(f"--block-v must be a power of two >= 16, got {opts.block_v}")
+        # The module, not the function the package exports under its name.
+        importlib.import_module("titan_moe.ops.kda.chunk_triton").BLOCK_V = opts.block_v
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
     impls = {"titan_moe": (ours_plain, False), "titan_moe_fused": (ours_fused, True)}
     fla = {} if opts.device != "cuda" or opts.no_fla else fla_impls()
@@ -205,8 +216,9 @@ def main() -> None:
         impls = {k: v for k, v in impls.items() if k in opts.impls}
     def save(rows, speedups=None, memory=(), profiles=None) -> None:
         result = {"environment": environment(), "dtype": str(dtype), "copy_gbps": bandwidth,
-                  "doc_len": opts.doc_len, "rows": rows, "speedups": speedups or {},
-                  "layer_memory": list(memory), "kernel_profiles": profiles or {}}
+                  "doc_len": opts.doc_len, "block_v": opts.block_v, "rows": rows,
+                  "speedups": speedups or {}, "layer_memory": list(memory),
+                  "kernel_profiles": profiles or {}}
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=2)
 

@@ -183,7 +183,7 @@ def chunk_kda_bwd(
     del A_qk, W
 
     f32 = dict(device=q.device, dtype=torch.float32)
-    d_qg, d_w, d_kd, dG = (torch.empty_like(K_d) for _ in range(4))
+    d_qg, d_w, d_kd = (torch.empty_like(K_d) for _ in range(3))
     d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
     n_k_blocks = triton.cdiv(d_k, block)
     wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
@@ -201,7 +201,8 @@ def chunk_kda_bwd(
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
     del KK, v_new, dv_new
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # dG is first written here: allocated after the states are let go, it stays off the peak.
+    dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(K_d)
     wrap_triton(tile_products_bwd_kernel)[(n_chunks, CHUNK // SUBTILE * n_k_blocks,
                                           batch * heads)](
         q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
