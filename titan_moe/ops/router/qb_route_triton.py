@@ -32,8 +32,8 @@ from triton.language.extra import libdevice
 
 from titan_moe.ops.router.histogram import qb_range
 
-MAX_EXPERTS = 1 << 16
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
+MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
 KNOCKED_OUT: tl.constexpr = tl.constexpr(-(2**31))  # below every key of a real score
 
 
