@@ -22,6 +22,7 @@ from titan_moe.plan.memory import (
     parameter_counts,
     saved_bytes,
 )
+from titan_moe.plan.op_workspace import kda_backward_workspace
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_excluded():
@@ -29,10 +30,10 @@ def test_saved_bytes_counts_each_storage_once_and_skips_excluded():
     x = torch.randn(3, 8, requires_grad=True)
     params = [lin1.weight, lin2.weight]
     # Linear saves its input (3·8 fp32 = 96 B) and weight (excluded); relu its output (3·4·4).
-    assert saved_bytes(lambda: lin1(x), params) == (96, 96)
-    assert saved_bytes(lambda: lin1(x) + lin2(x), params) == (96, 96)
-    assert saved_bytes(lambda: torch.relu(lin1(x)), params) == (96 + 48, 96)
-    assert saved_bytes(lambda: lin1(x), params + [x]) == (0, 0)
+    assert saved_bytes(lambda: lin1(x), params) == (96, 96, 0)
+    assert saved_bytes(lambda: lin1(x) + lin2(x), params) == (96, 96, 0)
+    assert saved_bytes(lambda: torch.relu(lin1(x)), params) == (96 + 48, 96, 0)
+    assert saved_bytes(lambda: lin1(x), params + [x]) == (0, 0, 0)
 
 
 def test_parameter_counts_match_the_model(tiny):
@@ -58,7 +59,7 @@ def test_full_ac_activations_compose_as_documented(tiny):
     args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
     stream, v = b * t * args.dim * 2, args.vocab_size
     layers = [layer_activation_bytes(args, i, b, t) for i in range(args.n_layers)]
-    recompute = max(s.total + 2 * s.largest for s in layers)
+    recompute = max(s.total + max(2 * s.largest, s.workspace) for s in layers)
     head = head_activation_bytes(args, b, t).total
     n_blocks = 2  # 3 layers in AttnRes blocks of 2
     tail = 2 * stream + head
@@ -67,6 +68,29 @@ def test_full_ac_activations_compose_as_documented(tiny):
     no_ac = replace(tiny, ac_mode="none")
     assert activation_bytes(no_ac) == (sum(s.total for s in layers) + 3 * stream + tail
                                        + 12 * b * t * v, 0)
+
+
+def test_kda_op_backward_workspace_by_hand():
+    """At B 1, T 128, H 1, K = V = 128 (2 chunks of 64) the op's backward peaks while it computes
+    the state terms: dO (bf16), five fp32 [T, H, K] buffers (G, K_d and the gradients of Q_g, W
+    and K_d), KK and Tinv ([T, H, 64]), the states and their gradients, Ṽ and dṼ, d_gamma."""
+    t, k, chunks = 128, 128, 2
+    want = (t * k * 2 + 5 * t * k * 4 + 2 * t * 64 * 4 + 2 * chunks * k * k * 4 + 2 * t * k * 4
+            + chunks * k * 4)
+    assert kda_backward_workspace(1, t, 1, k, k) == want
+    assert kda_backward_workspace(1, t, 1, k, k, fused_gate=False) == want
+    # Linear in tokens, heads and rows (whole chunks): 4 kB a token and head, 1 of them dO.
+    assert kda_backward_workspace(2, 4 * t, 3, k, k) == 2 * 4 * 3 * want
+
+
+def test_a_kda_layers_recompute_holds_the_ops_workspace(tiny):
+    args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
+    kda_layer = layer_activation_bytes(args, 0, b, t)  # layer 0: KDA mixer
+    mla_layer = layer_activation_bytes(args, 2, b, t)  # layer 3 (index 2): MLA
+    want = kda_backward_workspace(b, t, args.n_heads, args.head_dim, args.head_dim)
+    assert kda_layer.workspace == want
+    assert mla_layer.workspace == 0
+    assert kda_layer.recompute == kda_layer.total + max(2 * kda_layer.largest, want)
 
 
 def test_layer_activations_scale_with_tokens(tiny):

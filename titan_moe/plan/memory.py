@@ -26,11 +26,13 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  the head weight; the last block list (B s), held by reference, stays on the GPU
       loss phase chunked (training.loss_chunk = c): 12 c V (one chunk's logits and gradient)
                  + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
-      layer bwd  with AC, the largest over layers of its recompute's saves + 2 × its largest
-                 saved tensor (an op's output and input gradients), + (B + 1) s (gradients of the
-                 residual sources) + the offloaded inputs brought back (s + 4 b t); a MoE layer
-                 in token chunks (titan_moe.moe_token_chunk = c) saves its input and, of its
-                 experts, one chunk's recompute: the layer unchunked over c tokens
+      layer bwd  with AC, the largest over layers of its recompute's saves + the larger of 2 ×
+                 its largest saved tensor (an op's output and input gradients) and the KDA op's
+                 backward workspace (dO, its recomputed fp32 buffers and gradient buffers, about
+                 4 kB a token and head at K = V = 128: op_workspace.py), + (B + 1) s (gradients
+                 of the residual sources) + the offloaded inputs brought back (s + 4 b t); a
+                 MoE layer in token chunks (titan_moe.moe_token_chunk = c) saves its input and,
+                 of its experts, one chunk's recompute: the layer unchunked over c tokens
     host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
     bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer
@@ -44,8 +46,9 @@ stand-ins for flash attention (q, k, v, out, fp32 logsumexp), the KDA op (its in
 torch._grouped_mm (its operands), and SiTU-GLU and RMSNorm as Inductor fuses them (inputs only).
 Approximate: the other eager elementwise saves inside the mixers and the router's fp32 input
 copy (Inductor may recompute them: the plan is high there), the backward's transient as twice
-the largest saved tensor, MLA's gathered prefix under CP (not counted), allocator fragmentation
-(in the 10% headroom).
+the largest saved tensor or the KDA op's workspace (counted exactly, op_workspace.py; other ops'
+workspaces are not), MLA's gathered prefix under CP (not counted), allocator fragmentation
+(in the 10% headroom); without AC, no layer's backward transient (the KDA op's included).
 """
 
 import contextlib
@@ -76,6 +79,7 @@ from titan_moe.ops.short_conv.short_conv_triton import short_conv_triton
 from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 from titan_moe.parallel.pipeline import boundary_tensors
+from titan_moe.plan.op_workspace import kda_backward_workspace
 
 GB = 1e9
 GIB = 2**30
@@ -127,12 +131,14 @@ class Activations(NamedTuple):
 class Saved(NamedTuple):
     total: int  # bytes of the distinct storages saved for backward
     largest: int  # the largest of them
+    workspace: int = 0  # the largest backward workspace of an op run (op_workspace.py)
 
     @property
     def recompute(self) -> int:
         """What a checkpointed layer's backward holds: its recompute's saved tensors, and the
-        gradients of its largest op's output and input, alive together while that op runs."""
-        return self.total + 2 * self.largest
+        gradients of its largest op's output and input, alive together while that op runs, or
+        an op's own backward workspace (the KDA op's), whichever is larger."""
+        return self.total + max(2 * self.largest, self.workspace)
 
 
 @dataclass(frozen=True)
@@ -225,10 +231,13 @@ def saved_bytes(run, exclude: list[torch.Tensor]) -> Saved:
             seen[storage._cdata] = storage
         return t
 
+    first = len(_op_workspaces)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     sizes = [s.nbytes() for s in seen.values()]
-    return Saved(sum(sizes), max(sizes, default=0))
+    workspace = max(_op_workspaces[first:], default=0)
+    del _op_workspaces[first:]
+    return Saved(sum(sizes), max(sizes, default=0), workspace)
 
 
 class _SavesForBackward(torch.autograd.Function):
@@ -251,7 +260,14 @@ def _flash_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
     return _SavesForBackward.apply(out, q, k, v, out, lse)
 
 
+# The backward workspaces of the ops the stand-ins ran, for saved_bytes to take the largest.
+_op_workspaces: list[int] = []
+
+
 def _kda_triton_op(q, k, v, g_raw, A_log, dt_bias, beta, g_min=-5.0, **kwargs):
+    batch, seq_len, heads, d_k = q.shape
+    _op_workspaces.append(kda_backward_workspace(batch, seq_len, heads, d_k, v.shape[-1],
+                                                 A_log is not None))
     return _SavesForBackward.apply(v, q, k, v, g_raw, beta, A_log, dt_bias), None
 
 
@@ -339,7 +355,8 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
     if not (args.is_moe(layer_id) and 0 < chunk < batch * seq_len):
         return saved
     one = moe_chunk_bytes(args, layer_id, chunk)
-    return Saved(saved.total + one.total, max(saved.largest, one.largest))
+    return Saved(saved.total + one.total, max(saved.largest, one.largest),
+                 max(saved.workspace, one.workspace))
 
 
 def moe_chunk_bytes(args: TitanMoEArgs, layer_id: int, chunk: int) -> Saved:
