@@ -6,8 +6,9 @@
 bench/kda.py measures `torch.cuda.max_memory_allocated` over a forward+backward after warm-up,
 with the inputs, dO, the output and the inputs' .grad alive. The same run happens here on CPU
 tensors with every Triton launch stubbed out, so each op's Python allocates exactly what it
-allocates on the GPU and no kernel runs; a dispatch mode adds up the bytes of every live
-storage and keeps the largest sum. Our op's forward and backward bodies run as plain Python,
+allocates on the GPU and no kernel runs; a dispatch mode (the memory plan's
+`titan_moe.plan.op_workspace.LiveBytes`) adds up the bytes of every live storage and keeps the
+largest sum. Our op's forward and backward bodies run as plain Python,
 under its own autograd (the forward saves the inputs only): a custom op's body is hidden from a
 dispatch mode. fla-core is pure Python plus Triton; installed, its `chunk_kda` (`safe_gate`,
 lower bound -5, g given or `use_gate_in_kernel`) runs the same way. The caching allocator's
@@ -18,10 +19,8 @@ Prints a table, writes JSON.
 
 import argparse
 import contextlib
-import importlib
 import importlib.util
 import sys
-import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,78 +29,29 @@ import triton.runtime.autotuner
 import triton.runtime.jit
 from kda import G_MIN, ISSUE_SHAPES
 from report import write_json
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# The package exports functions under their modules' names, so import the module by its path.
-chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that op outputs made while active, alive now and at most.
-
-    A storage counts once however many tensors view it, and stops counting when the last of
-    them is freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.views: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
-        self.now = 0
-        self.peak = 0
-
-    def _release(self, key: int) -> None:
-        self.views[key] -= 1
-        if self.views[key] == 0:
-            del self.views[key]
-            self.now -= self.sizes.pop(key)
-
-    def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0:
-            return
-        if key not in self.views:
-            self.views[key], self.sizes[key] = 0, size
-            self.now += size
-            self.peak = max(self.peak, self.now)
-        self.views[key] += 1
-        weakref.finalize(tensor, self._release, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for value in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(value, torch.Tensor):
-                self.track(value)
-        return out
+from titan_moe.plan.op_workspace import LiveBytes, chunk_triton, kda_launches_skipped
 
 
 @contextlib.contextmanager
 def no_triton_launches():
-    """Every Triton kernel call (plain, autotuned, heuristic, or through wrap_triton) returns
-    without running; everything around it runs."""
+    """Every Triton kernel call (ours through wrap_triton; fla's plain, autotuned or heuristic)
+    returns without running; everything around it runs."""
     def skip(*args, **kwargs):
         return None
-
-    class Skip:
-        def __init__(self, kernel):
-            pass
-
-        def __getitem__(self, grid):
-            return skip
 
     patched = [(triton.runtime.jit.JITFunction, "run"),
                (triton.runtime.autotuner.Autotuner, "run"),
                (triton.runtime.autotuner.Heuristics, "run")]
-    saved = [getattr(owner, name) for owner, name in patched] + [chunk_triton.wrap_triton]
+    saved = [getattr(owner, name) for owner, name in patched]
     try:
         for owner, name in patched:
             setattr(owner, name, skip)
-        chunk_triton.wrap_triton = Skip
-        yield
+        with kda_launches_skipped():
+            yield
     finally:
-        for (owner, name), value in zip(patched, saved, strict=False):
+        for (owner, name), value in zip(patched, saved, strict=True):
             setattr(owner, name, value)
-        chunk_triton.wrap_triton = saved[-1]
 
 
 class OursWithBodies(torch.autograd.Function):

@@ -70,19 +70,6 @@ def test_full_ac_activations_compose_as_documented(tiny):
                                        + 12 * b * t * v, 0)
 
 
-def test_kda_op_backward_workspace_by_hand():
-    """At B 1, T 128, H 1, K = V = 128 (2 chunks of 64) the op's backward peaks while it computes
-    the state terms: dO (bf16), five fp32 [T, H, K] buffers (G, K_d and the gradients of Q_g, W
-    and K_d), KK and Tinv ([T, H, 64]), the states and their gradients, Ṽ and dṼ, d_gamma."""
-    t, k, chunks = 128, 128, 2
-    want = (t * k * 2 + 5 * t * k * 4 + 2 * t * 64 * 4 + 2 * chunks * k * k * 4 + 2 * t * k * 4
-            + chunks * k * 4)
-    assert kda_backward_workspace(1, t, 1, k, k) == want
-    assert kda_backward_workspace(1, t, 1, k, k, fused_gate=False) == want
-    # Linear in tokens, heads and rows (whole chunks): 4 kB a token and head, 1 of them dO.
-    assert kda_backward_workspace(2, 4 * t, 3, k, k) == 2 * 4 * 3 * want
-
-
 def test_a_kda_layers_recompute_holds_the_ops_workspace(tiny):
     args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
     kda_layer = layer_activation_bytes(args, 0, b, t)  # layer 0: KDA mixer
