@@ -41,7 +41,8 @@ step qb_route python3 bench/qb_route.py --out "$out/qb_route.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 # Issue 22: compiled, full AC; with the saved layer inputs offloaded and the MoE layers in token
-# chunks the plan expects 512K to fit one H200 and 1M not; each row carries planned / measured.
+# chunks the plan expects 512K to fit one H200 (113.8 GiB) and 1M not (218 GiB); each row
+# carries planned / measured.
 step long_context python3 bench/long_context.py --compile --offload --moe-chunk 65536 \
     --lengths 8192,65536,262144,524288,1048576 --out "$out/long_context.json"
 # Issue 22.4: the stage chain at 8K -> 16K -> 32K -> 64K, 30 steps each, resuming stage to stage;

@@ -32,6 +32,14 @@ CASES = {
     "cu-seqlens": (1, 150, 1, 16, 16, "random", "cu_seqlens", False),
     "fused-gate-K24-V80": (1, 70, 2, 24, 80, "fused", None, True),
 }
+# Sequences run by segments (chunk_triton.SEGMENT set to a few chunks): name -> (case as above,
+# input dtype, segment tokens). Documents begin at a segment boundary (row 0 at 64) and cross
+# one (row 1); the last segment is partial.
+SEGMENT_CASES = {
+    "segments-64-doc-ids": ((2, 100, 2, 16, 16, "random", "doc_ids", True), torch.float32, 64),
+    "segments-128-bf16-fused": ((1, 300, 1, 32, 32, "fused", None, True), torch.bfloat16, 128),
+}
+SEGMENT_VS_WHOLE_RTOL = 1e-6  # the same kernels, the state handed over in fp32
 # The same op on bf16 q, k, v, g, beta (fp32 states): name -> case as above.
 BF16_CASES = {
     "bf16-T200-random": (1, 200, 2, 64, 64, "random", None, True),
@@ -77,10 +85,15 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states,
-             dtype=torch.float32) -> dict:
+             dtype=torch.float32, segment=None) -> dict:
     """Triton op (q, k, v, g, beta in dtype) vs chunk_kda_torch (float64), outputs and
-    gradients."""
+    gradients; with `segment`, by segments of that many tokens, also against the op run
+    whole (`vs_whole`: the largest relative RMS difference over outputs and gradients)."""
+    import importlib
+
     from titan_moe.ops.kda import chunk_kda_torch, chunk_kda_triton, kda_gate
+
+    chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
 
     q, k, v, g, beta, h0, (A_log, dt_bias) = make_inputs(batch, seq_len, heads, d_k, d_v, gate)
     # The reference sees the values the op sees.
@@ -107,20 +120,33 @@ def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states,
     ours = [x.detach().to(dtype if i < 5 else torch.float32).requires_grad_()
             for i, x in enumerate(leaves)]
     gate_args = dict(A_log=ours[-2], dt_bias=ours[-1], g_min=G_MIN) if fused else {}
-    # An exp beyond fp32's range inside a kernel surfaces as a NumPy RuntimeWarning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        o, s = chunk_kda_triton(*ours[:5], initial_state=ours[5] if with_states else None,
-                                output_final_state=with_states, doc=doc, **gate_args)
-        loss = (o.float() * do.float()).sum()
-        if with_states:
-            loss = loss + (s * ds.float()).sum()
-        got = torch.autograd.grad(loss, ours)
+    def op():
+        # An exp beyond fp32's range inside a kernel surfaces as a NumPy RuntimeWarning.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            o, s = chunk_kda_triton(*ours[:5], initial_state=ours[5] if with_states else None,
+                                    output_final_state=with_states, doc=doc, **gate_args)
+            loss = (o.float() * do.float()).sum()
+            if with_states:
+                loss = loss + (s * ds.float()).sum()
+            return o, s, torch.autograd.grad(loss, ours)
+
+    whole = chunk_triton.SEGMENT
+    chunk_triton.SEGMENT = segment or whole
+    try:
+        o, s, got = op()
+    finally:
+        chunk_triton.SEGMENT = whole
     names = list(GRADS[:5]) + (["initial_state"] if with_states else [])
     names += ["A_log", "dt_bias"] if fused else []
     report = {"o": rel_rms(o, o_ref), "o_dtype_ok": o.dtype == dtype}
     report["final_state"] = rel_rms(s, s_ref) if with_states else None
     report.update({f"d_{n}": rel_rms(a, b) for n, a, b in zip(names, got, want, strict=True)})
+    if segment:
+        o_whole, s_whole, got_whole = op()
+        pairs = [(o, o_whole), *zip(got, got_whole, strict=True)]
+        pairs += [(s, s_whole)] if with_states else []
+        report["vs_whole"] = max(rel_rms(a, b.double()) for a, b in pairs)
     return report
 
 
@@ -164,6 +190,18 @@ def test_bf16_op_matches_float64_reference(results, name):
         assert value <= BF16_GRAD_RTOL, (key, value)
 
 
+@pytest.mark.parametrize("name", SEGMENT_CASES)
+def test_op_by_segments_matches_the_whole_op_and_float64(results, name):
+    report = results[name]
+    assert "error" not in report, report.get("error")
+    assert report["vs_whole"] <= SEGMENT_VS_WHOLE_RTOL, report["vs_whole"]
+    bf16 = SEGMENT_CASES[name][1] == torch.bfloat16
+    o_bound, grad_bound = (BF16_O_RTOL, BF16_GRAD_RTOL) if bf16 else (FP32_RTOL, FP32_RTOL)
+    assert report["o"] <= o_bound and report["final_state"] <= o_bound, report
+    grads = {key: value for key, value in report.items() if key.startswith("d_")}
+    assert all(value <= grad_bound for value in grads.values()), grads
+
+
 def test_opcheck_schema_and_autograd(results):
     report = results["opcheck"]
     assert "error" not in report, report.get("error")
@@ -173,4 +211,6 @@ def test_opcheck_schema_and_autograd(results):
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
     reports |= {name: guarded(run_case, *case, torch.bfloat16) for name, case in BF16_CASES.items()}
+    reports |= {name: guarded(run_case, *case, dtype, segment)
+                for name, (case, dtype, segment) in SEGMENT_CASES.items()}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

@@ -2,9 +2,10 @@
 against a hand-made sequence of allocations, and the KDA op's backward workspace against its
 buffers counted by hand."""
 
+import pytest
 import torch
 
-from titan_moe.plan.op_workspace import LiveBytes, kda_backward_workspace
+from titan_moe.plan.op_workspace import LiveBytes, chunk_triton, kda_backward_workspace
 
 
 def test_live_bytes_by_hand():
@@ -22,14 +23,37 @@ def test_live_bytes_by_hand():
     assert tracker.now == 0
 
 
-def test_kda_op_backward_workspace_by_hand():
-    """At B 1, T 128, H 1, K = V = 128 (2 chunks of 64) the op's backward peaks while it computes
-    the state terms: dO (bf16), five fp32 [T, H, K] buffers (G, K_d and the gradients of Q_g, W
-    and K_d), KK and Tinv ([T, H, 64]), the states and their gradients, Ṽ and dṼ, d_gamma."""
-    t, k, chunks = 128, 128, 2
-    want = (t * k * 2 + 5 * t * k * 4 + 2 * t * 64 * 4 + 2 * chunks * k * k * 4 + 2 * t * k * 4
+def state_terms_buffers(t: int, k: int) -> int:
+    """What the KDA backward allocates itself and holds while it computes the state terms, its
+    peak (H 1, K = V = k, t tokens in chunks of 64): five fp32 [T, H, K] buffers (G, K_d and the
+    gradients of Q_g, W and K_d), KK and Tinv ([T, H, 64]), the states and their gradients, Ṽ
+    and dṼ, d_gamma."""
+    chunks = t // 64
+    return (5 * t * k * 4 + 2 * t * 64 * 4 + 2 * chunks * k * k * 4 + 2 * t * k * 4
             + chunks * k * 4)
+
+
+def test_kda_op_backward_workspace_by_hand():
+    t, k = 128, 128
+    want = t * k * 2 + state_terms_buffers(t, k)  # and dO, bf16
     assert kda_backward_workspace(1, t, 1, k, k) == want
     assert kda_backward_workspace(1, t, 1, k, k, fused_gate=False) == want
     # Linear in tokens, heads and rows (whole chunks): 4 kB a token and head, 1 of them dO.
     assert kda_backward_workspace(2, 4 * t, 3, k, k) == 2 * 4 * 3 * want
+
+
+@pytest.fixture
+def segments_of_128(monkeypatch):
+    monkeypatch.setattr(chunk_triton, "SEGMENT", 128)
+    kda_backward_workspace.cache_clear()
+    yield
+    kda_backward_workspace.cache_clear()
+
+
+def test_kda_op_backward_by_segments_holds_one_segments_buffers(segments_of_128):
+    """T 512 in segments of 128: dO and the whole gradients (dq, dk, dv bf16; dg, dbeta fp32),
+    the states entering the three later segments, a middle segment's state gradient coming in
+    and going out, and one segment's own buffers; four times fewer of those than run whole."""
+    t, k, segment, state = 512, 128, 128, 128 * 128 * 4
+    held = t * k * 2 + 3 * t * k * 2 + t * k * 4 + t * 4 + 3 * state + 2 * state
+    assert kda_backward_workspace(1, t, 1, k, k) == held + state_terms_buffers(segment, k)

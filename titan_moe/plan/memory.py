@@ -28,11 +28,12 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
       layer bwd  with AC, the largest over layers of its recompute's saves + the larger of 2 ×
                  its largest saved tensor (an op's output and input gradients) and the KDA op's
-                 backward workspace (dO, its recomputed fp32 buffers and gradient buffers, about
-                 4 kB a token and head at K = V = 128: op_workspace.py), + (B + 1) s (gradients
-                 of the residual sources) + the offloaded inputs brought back (s + 4 b t); a
-                 MoE layer in token chunks (titan_moe.moe_token_chunk = c) saves its input and,
-                 of its experts, one chunk's recompute: the layer unchunked over c tokens
+                 backward workspace (dO, the gradients, and its fp32 buffers, about 4 kB a
+                 token and head at K = V = 128 over one 64K segment: op_workspace.py),
+                 + (B + 1) s (gradients of the residual sources) + the offloaded inputs brought
+                 back (s + 4 b t); a MoE layer in token chunks (titan_moe.moe_token_chunk = c)
+                 saves its input and, of its experts, one chunk's recompute: the layer
+                 unchunked over c tokens
     host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
     bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer

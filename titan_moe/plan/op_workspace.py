@@ -4,7 +4,8 @@ kernel runs.
 
 The memory plan needs this for the KDA op, whose backward recomputes the forward's chunk
 matrices, states and W, U and holds them in fp32 with the gradients' fp32 buffers: about 4 kB
-a token and head at K = V = 128, where the layer's largest saved tensor is 2 bytes a channel.
+a token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
+largest saved tensor is 2 bytes a channel.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
 """
 
@@ -25,10 +26,12 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the storages that op outputs made while active, alive now and at most.
 
     A storage counts once however many tensors view it, and stops counting when the last of
-    them is freed."""
+    them is freed; the storages of `ignore` (inputs made before) never count, views of them
+    neither."""
 
-    def __init__(self):
+    def __init__(self, ignore: tuple[torch.Tensor, ...] = ()):
         super().__init__()
+        self.ignore = {t.untyped_storage()._cdata for t in ignore if t is not None}
         self.views: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.now = 0
@@ -43,7 +46,7 @@ class LiveBytes(TorchDispatchMode):
     def track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key, size = storage._cdata, storage.nbytes()
-        if size == 0:
+        if size == 0 or key in self.ignore:
             return
         if key not in self.views:
             self.views[key], self.sizes[key] = 0, size
@@ -92,7 +95,7 @@ def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: 
         v = torch.empty(batch, seq_len, heads, d_v, dtype=torch.bfloat16)
         beta = torch.empty(batch, seq_len, heads, dtype=torch.bfloat16)
         gate = (torch.empty(heads), torch.empty(heads * d_k)) if fused_gate else (None, None)
-        tracker = LiveBytes()
+        tracker = LiveBytes(ignore=(q, k, v, g, beta, *gate))
         with kda_launches_skipped(), tracker:
             do = torch.empty_like(v)
             grads = chunk_triton.chunk_kda_bwd._init_fn(q, k, v, g, beta, None, *gate, None, do,

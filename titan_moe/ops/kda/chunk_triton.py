@@ -7,7 +7,12 @@
 `titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
 Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
 registered on the forward op. The forward keeps only its inputs: W, U, the per-chunk states
-and V~ are recomputed in the backward, so memory stays linear in T. With `A_log`/`dt_bias`
+and V~ are recomputed in the backward, so memory stays linear in T. Those recomputed fp32
+buffers and the gradients' take about 4 kB a token and head at K = V = 128 (6.3 GiB at 64K
+tokens and 16 heads), so a sequence longer than SEGMENT tokens runs by segments, the state
+passed from one to the next: forward in order, backward last segment first, each from the state
+entering it (one more forward pass over the segments finds those states first). Both then hold
+one segment's buffers at any length, for that extra pass at long context. With `A_log`/`dt_bias`
 the kernels compute the lower-bounded gate g = g_min sigmoid(exp(A_log) (g_raw + dt_bias))
 themselves, and its chunk-local cumsum, and return the gradient of g_raw.
 
@@ -37,6 +42,8 @@ from titan_moe.ops.kda.ut_transform import ut_transform_bwd_kernel, ut_transform
 # V blocks of the scans (the sequential part runs one program per V block and head: 32 gives
 # 64 programs at the proxy's 16 heads, and no spills) and of the other kernels' V loops.
 BLOCK_V = 32
+# Tokens a segment (a multiple of CHUNK): shorter sequences run whole.
+SEGMENT = 65536
 # K (and V) blocks of the parallel kernels: the tiles that fit in registers without spilling
 # (bench/kda_compile.py reports each kernel's registers and spills).
 BLOCK_INTRA = 32
@@ -113,6 +120,49 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precisi
     return h_states, v_new, final
 
 
+def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min,
+                     output_final_state):
+    """One segment's forward: (o, final state or None)."""
+    batch, seq_len, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    G, A_qk, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
+    h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
+                                   seq_len, _precision(q))
+    o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
+    block_k, block_v, _ = _blocks(d_k, d_v)
+    grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
+    wrap_triton(chunk_output_kernel)[grid](
+        q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        PRECISION=_precision(q), num_warps=8,
+    )  # fmt: skip
+    return o, final
+
+
+def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
+    """The state after one segment, by the forward's first four kernels (no output)."""
+    G, _, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
+    return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _precision(q))[2]
+
+
+def _segments(seq_len: int) -> list[tuple[int, int]]:
+    return [(start, min(start + SEGMENT, seq_len)) for start in range(0, seq_len, SEGMENT)]
+
+
+def _tokens(x: Tensor | None, start: int, end: int) -> Tensor | None:
+    """Tokens [start, end) of a [B, T, ...] tensor, contiguous as the kernels index it."""
+    return None if x is None else x[:, start:end].contiguous()
+
+
+def _entering(state: Tensor | None, doc: Tensor | None, start: int) -> Tensor | None:
+    """The state (or its gradient) passed across the segment boundary at `start`: zero in the
+    rows where a document begins there, whose state restarts."""
+    if state is None or doc is None or start == 0:
+        return state
+    same = (doc[:, start] == doc[:, start - 1]).view(-1, 1, 1, 1)
+    return torch.where(same, state, torch.zeros_like(state))
+
+
 @triton_op("titan_moe::chunk_kda_fwd", mutates_args=())
 def chunk_kda_fwd(
     q: Tensor,
@@ -129,39 +179,24 @@ def chunk_kda_fwd(
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
     """(o [B,T,H,V] in q's dtype, final state [B,H,K,V] fp32, empty unless asked for)."""
-    batch, seq_len, heads, d_k = q.shape
-    d_v = v.shape[-1]
-    G, A_qk, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
-    h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
-                                   seq_len, _precision(q))
-    o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
-    block_k, block_v, _ = _blocks(d_k, d_v)
-    grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
-    wrap_triton(chunk_output_kernel)[grid](
-        q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
-        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=8,
-    )  # fmt: skip
+    seq_len = q.shape[1]
+    if seq_len <= SEGMENT:
+        o, final = _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale,
+                                    g_min, output_final_state)
+    else:
+        o = torch.empty(*q.shape[:3], v.shape[-1], device=q.device, dtype=q.dtype)
+        final = initial_state
+        for start, end in _segments(seq_len):
+            rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
+            o[:, start:end], final = _forward_segment(
+                *rows, A_log, dt_bias, _entering(final, doc, start), scale, g_min, True)
+        final = final if output_final_state else None
     return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
 
 
-@triton_op("titan_moe::chunk_kda_bwd", mutates_args=())
-def chunk_kda_bwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    doc: Tensor | None,
-    A_log: Tensor | None,
-    dt_bias: Tensor | None,
-    initial_state: Tensor | None,
-    do: Tensor,
-    d_final: Tensor | None,
-    scale: float,
-    g_min: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one)."""
+def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
+                      g_min):
+    """One segment's backward: (dq, dk, dv, dg fp32, dbeta fp32, d initial_state or None)."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -216,9 +251,53 @@ def chunk_kda_bwd(
         H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
         FUSED_GATE=A_log is not None, num_warps=4,
     )  # fmt: skip
-    if d_initial is None:
-        d_initial = q.new_empty(0, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, d_initial
+
+
+@triton_op("titan_moe::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    do: Tensor,
+    d_final: Tensor | None,
+    scale: float,
+    g_min: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one)."""
+    seq_len = q.shape[1]
+    if seq_len <= SEGMENT:
+        grads = _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do,
+                                  d_final, scale, g_min)
+    else:
+        segments = _segments(seq_len)
+        entering = [initial_state]  # the state entering each segment
+        for start, end in segments[:-1]:
+            rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
+            entering.append(_final_state(*rows, A_log, dt_bias,
+                                         _entering(entering[-1], doc, start), scale, g_min))
+        f32 = dict(device=q.device, dtype=torch.float32)
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                 torch.empty(g.shape, **f32), torch.empty(beta.shape, **f32))
+        d_state = d_final
+        for (start, end), state in zip(reversed(segments), reversed(entering), strict=True):
+            rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
+            segment = _backward_segment(*rows, A_log, dt_bias, _entering(state, doc, start),
+                                        _tokens(do, start, end), d_state, scale, g_min)
+            for whole, part in zip(grads, segment[:5], strict=True):
+                whole[:, start:end] = part
+            d_state = _entering(segment[5], doc, start)
+            del segment, part  # not held through the next segment's backward
+        grads = (*grads, d_state)
+    if grads[5] is None:
+        grads = (*grads[:5], q.new_empty(0, dtype=torch.float32))
+    return grads
 
 
 def _setup_context(ctx, inputs, output) -> None:
