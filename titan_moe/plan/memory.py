@@ -26,10 +26,11 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  the head weight; the last block list (B s), held by reference, stays on the GPU
       loss phase chunked (training.loss_chunk = c): 12 c V (one chunk's logits and gradient)
                  + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
-      layer bwd  with AC, the largest over layers of its recompute's saves + the larger of 2 ×
-                 its largest saved tensor (an op's output and input gradients) and the KDA op's
-                 backward workspace (dO, the gradients, and its fp32 buffers, about 4 kB a
-                 token and head at K = V = 128 over one 64K segment: op_workspace.py),
+      layer bwd  a layer's transient is the larger of 2 × its largest saved tensor (an op's
+                 output and input gradients) and the KDA op's backward workspace (dO, the
+                 gradients, and its fp32 buffers, about 4 kB a token and head at K = V = 128
+                 over one 64K segment: op_workspace.py). Without AC, the largest transient;
+                 with AC, the largest over layers of its recompute's saves + its transient,
                  + (B + 1) s (gradients of the residual sources) + the offloaded inputs brought
                  back (s + 4 b t); a MoE layer in token chunks (titan_moe.moe_token_chunk = c)
                  saves its input and, of its experts, one chunk's recompute: the layer
@@ -49,7 +50,7 @@ Approximate: the other eager elementwise saves inside the mixers and the router'
 copy (Inductor may recompute them: the plan is high there), the backward's transient as twice
 the largest saved tensor or the KDA op's workspace (counted exactly, op_workspace.py; other ops'
 workspaces are not), MLA's gathered prefix under CP (not counted), allocator fragmentation
-(in the 10% headroom); without AC, no layer's backward transient (the KDA op's included).
+(in the 10% headroom).
 """
 
 import contextlib
@@ -404,15 +405,19 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
     stream = b * t * args.dim * ACT_BYTES
     # A layer's saved bytes depend on its kind and on how many AttnRes sources it reads.
     per_kind: dict[tuple[bool, bool, int], Saved] = {}
-    saved, host, recompute = 0.0, 0.0, 0
+    saved, host, recompute, transient = 0.0, 0.0, 0, 0
     for i in layers:
         kind = (args.is_mla(i), args.is_moe(i), boundary_tensors(block, i))
         if kind not in per_kind:
             per_kind[kind] = layer_activation_bytes(args, i, b, t)
+        layer = per_kind[kind]
         if _checkpointed(cfg, i):
-            recompute = max(recompute, per_kind[kind].recompute)
+            recompute = max(recompute, layer.recompute)
         else:
-            saved += per_kind[kind].total
+            saved += layer.total
+            # Its backward runs on top of everything saved: its largest op's gradients, or the
+            # KDA op's workspace.
+            transient = max(transient, layer.recompute - layer.total)
     if cfg.offload:
         # save_on_cpu copies what the checkpoints save, each layer's partial sum and doc ids;
         # the finished blocks reach a layer in a Python list, which the checkpoint keeps by
@@ -446,7 +451,7 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
     # the gradients of the residual sources it feeds (one per block, and the partial sum).
     n_blocks = math.ceil(layers.stop / block)
     back = stream + b * t * DOC_ID_BYTES if cfg.offload else 0
-    backward = recompute + (n_blocks + 1) * stream + back if recompute else 0
+    backward = max(recompute + (n_blocks + 1) * stream + back if recompute else 0, transient)
     return Activations(held * saved + max(loss_phase, backward), held * host)
 
 
