@@ -15,9 +15,16 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
+
+# Inductor's analysis as torch 2.13 names it (CI's torch); torch 2.11 (the GPU machine) has no
+# such function, and there this CPU test has nothing to check.
+identify_accessed_tensors = pytest.importorskip(
+    "torch._higher_order_ops.triton_kernel_wrap").__dict__.get("identify_accessed_tensors")
+if identify_accessed_tensors is None:
+    pytest.skip("torch without triton_kernel_wrap.identify_accessed_tensors",
+                allow_module_level=True)
 
 
 class _Hopper:

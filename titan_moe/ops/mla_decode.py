@@ -148,7 +148,8 @@ def mla_decode_triton(
     lora_p, rope_p = max(16, triton.next_power_of_2(lora)), max(16, triton.next_power_of_2(rope))
     q = q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+    # A copy, not view(torch.uint8): Inductor of torch 2.11 cannot lower a bool dtype view.
+    valid = valid.to(torch.uint8) if valid.dtype == torch.bool else valid
     rows = head_blocks * HEAD_BLOCK
     m = q.new_empty(batch, splits, rows, dtype=torch.float32)
     denom = torch.empty_like(m)
