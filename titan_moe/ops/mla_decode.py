@@ -72,6 +72,9 @@ def mla_decode_split_kernel(
     H_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, the scores
+    # and the running max would turn fp64 inside the loop.
+    scale = tl.cast(scale, tl.float32)
     b = tl.program_id(0)
     split = tl.program_id(1)
     head_block = tl.program_id(2)
