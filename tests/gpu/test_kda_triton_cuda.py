@@ -155,12 +155,15 @@ def test_opcheck_fake_tensor_and_autograd(backend):
     torch.library.opcheck({"triton": chunk_kda_fwd, "fla": fla_kda_fwd}[backend], args)
 
 
+@pytest.mark.parametrize("gate", ["fused", "random"], ids=["fused-gate", "g-given"])
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_op_compiles_fullgraph_and_matches_eager(backend):
-    """The op alone, fused gate and documents on, at the proxy's heads: a quick compile check."""
-    q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 16, 128, "fused")
+def test_op_compiles_fullgraph_and_matches_eager(backend, gate):
+    """The op alone, both entries (the fused gate, g given), documents on, at the proxy's
+    heads: a quick compile check."""
+    q, k, v, g, beta, _, A_log, dt_bias = make_case(2, 200, 16, 128, gate)
+    fused = gate == "fused"
     leaves = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
-    leaves += [A_log.requires_grad_(), dt_bias.requires_grad_()]
+    leaves += [A_log.requires_grad_(), dt_bias.requires_grad_()] if fused else []
     doc = torch.zeros(2, 200, dtype=torch.int32, device="cuda")
     doc[:, 90:] = 1
 
@@ -168,9 +171,9 @@ def test_op_compiles_fullgraph_and_matches_eager(backend):
         o, _ = fn(*leaves)
         return [o, *torch.autograd.grad(o.float().square().sum(), leaves)]
 
-    def op(q, k, v, g, beta, A_log, dt_bias):
-        return BACKENDS[backend](q, k, v, g, beta, doc=doc, A_log=A_log, dt_bias=dt_bias,
-                                 g_min=G_MIN)
+    def op(q, k, v, g, beta, A_log=None, dt_bias=None):
+        gate_args = dict(A_log=A_log, dt_bias=dt_bias, g_min=G_MIN) if fused else {}
+        return BACKENDS[backend](q, k, v, g, beta, doc=doc, **gate_args)
 
     eager = run(op)
     compiled = run(torch.compile(op, fullgraph=True))
