@@ -277,19 +277,19 @@ def chunk_kda_bwd(
                                   d_final, scale, g_min)
     else:
         segments = _segments(seq_len)
-        entering = [initial_state]  # the state entering each segment
-        for start, end in segments[:-1]:
+        entering = [initial_state]  # the state entering each segment, zeroed where one begins
+        for (start, end), (next_start, _) in zip(segments[:-1], segments[1:], strict=True):
             rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
-            entering.append(_final_state(*rows, A_log, dt_bias,
-                                         _entering(entering[-1], doc, start), scale, g_min))
+            final = _final_state(*rows, A_log, dt_bias, entering[-1], scale, g_min)
+            entering.append(_entering(final, doc, next_start))
         f32 = dict(device=q.device, dtype=torch.float32)
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                  torch.empty(g.shape, **f32), torch.empty(beta.shape, **f32))
         d_state = d_final
         for (start, end), state in zip(reversed(segments), reversed(entering), strict=True):
             rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
-            segment = _backward_segment(*rows, A_log, dt_bias, _entering(state, doc, start),
-                                        _tokens(do, start, end), d_state, scale, g_min)
+            segment = _backward_segment(*rows, A_log, dt_bias, state, _tokens(do, start, end),
+                                        d_state, scale, g_min)
             for whole, part in zip(grads, segment[:5], strict=True):
                 whole[:, start:end] = part
             d_state = _entering(segment[5], doc, start)
