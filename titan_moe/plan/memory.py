@@ -136,11 +136,16 @@ class Saved(NamedTuple):
     workspace: int = 0  # the largest backward workspace of an op run (op_workspace.py)
 
     @property
+    def transient(self) -> int:
+        """What the layer's backward holds besides its saves: the gradients of its largest op's
+        output and input, alive together while that op runs, or an op's own backward workspace
+        (the KDA op's), whichever is larger."""
+        return max(2 * self.largest, self.workspace)
+
+    @property
     def recompute(self) -> int:
-        """What a checkpointed layer's backward holds: its recompute's saved tensors, and the
-        gradients of its largest op's output and input, alive together while that op runs, or
-        an op's own backward workspace (the KDA op's), whichever is larger."""
-        return self.total + max(2 * self.largest, self.workspace)
+        """What a checkpointed layer's backward holds: its recompute's saves and its transient."""
+        return self.total + self.transient
 
 
 @dataclass(frozen=True)
@@ -415,9 +420,8 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
             recompute = max(recompute, layer.recompute)
         else:
             saved += layer.total
-            # Its backward runs on top of everything saved: its largest op's gradients, or the
-            # KDA op's workspace.
-            transient = max(transient, layer.recompute - layer.total)
+            # Its backward runs on top of everything saved.
+            transient = max(transient, layer.transient)
     if cfg.offload:
         # save_on_cpu copies what the checkpoints save, each layer's partial sum and doc ids;
         # the finished blocks reach a layer in a Python list, which the checkpoint keeps by
