@@ -114,6 +114,7 @@ def test_kda_kernels_write_only_their_outputs():
     assert got == {"gate_cumsum_kernel": {"G_out"}, "tile_products_kernel": {"A_qk", "KK"},
                    "ut_transform_kernel": {"Tinv", "W", "U", "K_d"},
                    "state_scan_fwd_kernel": {"h_states", "v_new"}, "chunk_output_kernel": {"o"},
+                   "chunk_output_bwd_kernel": {"dh_states", "dv_new"},
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},
                    "state_terms_bwd_kernel": {"d_qg", "d_w", "d_kd", "d_gamma"},
                    "ut_transform_bwd_kernel": {"dv", "dbeta", "dA", "dP"},

@@ -47,3 +47,43 @@ def chunk_output_kernel(
     out += tl.dot(A, v_c, input_precision=PRECISION)
     o_offs = ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     tl.store(o + o_offs, out.to(o.dtype.element_ty), mask=valid[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def chunk_output_bwd_kernel(
+    q, G, A_qk, doc, do, dh_states, dv_new, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The output's gradient terms, parallel over chunks, ahead of the reverse scan:
+        dh_states[c] = (Gamma * Q)^T dO    (the part of dS that comes from the chunk's output)
+        dv_new[c]    = A_qk^T dO           (the part of dV~ that does not go through dS)
+    Neither depends on the state gradient, so the scan (state_scan_bwd_kernel) only adds its
+    recurrent terms to them, and its serial chain per chunk is two GEMMs, not four."""
+    scale = tl.cast(scale, tl.float32)  # an fp64 scalar under Inductor, see chunk_output_kernel
+    chunk, v_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    n_chunks = tl.num_programs(0)
+    Tp = n_chunks * C
+    t0 = chunk * C
+    rows = tl.arange(0, C)
+    valid = t0 + rows < T
+    cols_k = tl.arange(0, BK)
+    cols_v = v_block * BV + tl.arange(0, BV)
+    k_ok, v_ok = cols_k < K, cols_v < V
+    d, d_before, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    cont = (d == d_before) & valid
+    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    q_c = tl.load(q + in_offs, mask=cont[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+    A = tl.load(A_qk + ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :])
+    do_offs = ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
+    do_c = tl.load(do + do_offs, mask=valid[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    dS_out = tl.dot(tl.trans(q_c * scale * tl.exp(G_c)), do_c, input_precision=PRECISION)
+    state_base = ((b * n_chunks + chunk) * H + h).to(tl.int64) * K * V
+    tl.store(dh_states + state_base + cols_k[:, None] * V + cols_v[None, :], dS_out,
+             mask=k_ok[:, None] & v_ok[None, :])
+    v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
+    tl.store(dv_new + v_offs, tl.dot(tl.trans(A), do_c, input_precision=PRECISION),
+             mask=v_ok[None, :])

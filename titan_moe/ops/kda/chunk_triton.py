@@ -1,8 +1,8 @@
 """Chunked KDA as a user-defined Triton op that torch.compile traces (fullgraph, no break).
 
     forward:  gate_cumsum -> tile_products -> ut_transform -> state_scan_fwd -> chunk_output
-    backward: the forward's first four (recomputed) -> state_scan_bwd -> state_terms_bwd
-              -> ut_transform_bwd -> tile_products_bwd -> gate_cumsum_bwd
+    backward: the forward's first four (recomputed) -> chunk_output_bwd -> state_scan_bwd
+              -> state_terms_bwd -> ut_transform_bwd -> tile_products_bwd -> gate_cumsum_bwd
 
 `titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
 Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from titan_moe.ops.kda.chunk_common import CHUNK, SUBTILE
-from titan_moe.ops.kda.chunk_output import chunk_output_kernel
+from titan_moe.ops.kda.chunk_output import chunk_output_bwd_kernel, chunk_output_kernel
 from titan_moe.ops.kda.gate import validate_gate_params
 from titan_moe.ops.kda.gate_cumsum import gate_cumsum_bwd_kernel, gate_cumsum_kernel
 from titan_moe.ops.kda.naive import validate_kda_inputs
@@ -115,7 +115,7 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precisi
         K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=output_final_state,
-        PRECISION=precision, num_warps=8,
+        PRECISION=precision, INTERPRETED=triton.knobs.runtime.interpret, num_warps=8,
     )  # fmt: skip
     return h_states, v_new, final
 
@@ -209,13 +209,19 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     dh_states = torch.empty_like(h_states)
     dv_new = torch.empty_like(v_new)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
-    wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
-        q, K_d, G, W, A_qk, doc, do, d_final, dh_states, dv_new, d_initial, scale, seq_len,
+    wrap_triton(chunk_output_bwd_kernel)[(n_chunks, triton.cdiv(d_v, block_v), batch * heads)](
+        q, G, A_qk, doc, do, dh_states, dv_new, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
         PRECISION=_precision(q), num_warps=8,
     )  # fmt: skip
-    del A_qk, W
+    del A_qk
+    wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
+        K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, seq_len,
+        H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
+        PRECISION=_precision(q), INTERPRETED=triton.knobs.runtime.interpret, num_warps=8,
+    )  # fmt: skip
+    del W
 
     f32 = dict(device=q.device, dtype=torch.float32)
     d_qg, d_w, d_kd = (torch.empty_like(K_d) for _ in range(3))

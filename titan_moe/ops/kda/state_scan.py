@@ -5,6 +5,8 @@ Forward, chunk by chunk with S the state entering the chunk:
 Reverse, with dS the gradient of the state leaving the chunk (dS_next):
     dV~ = A_qk^T dO + K_d dS
     dS  <- Diag(gamma_C) dS + (Gamma * Q)^T dO - W^T dV~
+where the output's terms A_qk^T dO and (Gamma * Q)^T dO come in from chunk_output_bwd_kernel,
+computed parallel over chunks, so the serial chain is the two GEMMs with K_d and W.
 with K_d = (gamma_C / Gamma) * K of the chunk's last document (ut_transform.py writes it). One
 program per (V block, batch*head) walks the chunks in order, the state [K, BV] in fp32
 registers; the gradients through each chunk's use of its states then run parallel over chunks
@@ -24,6 +26,13 @@ import triton.language as tl
 
 from titan_moe.ops.kda.chunk_common import chunk_documents, mma
 
+# SCAN_LOOPS: compiled, the scans walk the chunks in a `for` loop, which Triton's pipeliner
+# turns into prefetches: chunk c + 1's operands load while chunk c's GEMMs run. A `while` loop
+# is not pipelined, and the scans were then bound by one load latency a chunk (3.5x fla's scan
+# time on the H200, 2026-12-05). Triton 3.6's interpreter holds scalars as 1-element arrays,
+# which range() cannot take under NumPy 2, so interpreted (INTERPRETED) they keep the while loop;
+# both call the same chunk body.
+
 
 @triton.jit
 def chunk_scan_operands(K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H: tl.constexpr,
@@ -41,11 +50,31 @@ def chunk_scan_operands(K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H: tl.con
 
 
 @triton.jit
+def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks, rows, cols_k,
+                   cols_v, state_offs, state_ok, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, C: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Chunk c of the forward scan: stores the state entering it and V~, returns S_next."""
+    t0 = c * C
+    v_ok = cols_v < V
+    k_d, W_c, carry, _ = chunk_scan_operands(
+        K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
+    )
+    v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
+    U_c = tl.load(U + v_offs, mask=v_ok[None, :], other=0.0)
+    state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
+    tl.store(h_states + state_base + state_offs, S, mask=state_ok)
+    v_c = U_c - mma(W_c, S, PRECISION)
+    tl.store(v_new + v_offs, v_c, mask=v_ok[None, :])
+    return carry[:, None] * S + mma(tl.trans(k_d), v_c, PRECISION)
+
+
+@triton.jit
 def state_scan_fwd_kernel(
     K_d, G, W, U, doc, initial_state, h_states, v_new, final_state, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_INITIAL: tl.constexpr,
-    STORE_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_FINAL: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """h_states [B,NC,H,K,V] (state entering each chunk), v_new [B,Tp,H,V], final [B,H,K,V]."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
@@ -62,36 +91,54 @@ def state_scan_fwd_kernel(
         S = tl.load(initial_state + bh * K * V + state_offs, mask=state_ok, other=0.0)
     else:
         S = tl.zeros((BK, BV), dtype=tl.float32)
-    # A while loop: Triton 3.6's interpreter cannot take a runtime range() bound under NumPy 2.
-    c = 0
-    while c < n_chunks:
-        t0 = c * C
-        k_d, W_c, carry, _ = chunk_scan_operands(
-            K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
-        )
-        v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
-        U_c = tl.load(U + v_offs, mask=v_ok[None, :], other=0.0)
-        state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
-        tl.store(h_states + state_base + state_offs, S, mask=state_ok)
-        v_c = U_c - mma(W_c, S, PRECISION)
-        tl.store(v_new + v_offs, v_c, mask=v_ok[None, :])
-        S = carry[:, None] * S + mma(tl.trans(k_d), v_c, PRECISION)
-        c += 1
+    if INTERPRETED:  # see SCAN_LOOPS
+        c = 0
+        while c < n_chunks:
+            S = scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks,
+                               rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
+                               PRECISION)
+            c += 1
+    else:
+        for c in tl.range(0, n_chunks, num_stages=2):
+            S = scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks,
+                               rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
+                               PRECISION)
     if STORE_FINAL:
         tl.store(final_state + bh * K * V + state_offs, S, mask=state_ok)
 
 
 @triton.jit
+def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chunks, rows,
+                   cols_k, cols_v, state_offs, state_ok, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, C: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Chunk c of the reverse scan, on the output's terms that chunk_output_bwd_kernel left in
+    dh_states[c] and dv_new[c]: stores dS_next of the chunk and dV~ in their place, returns the
+    gradient of the state entering the chunk."""
+    t0 = c * C
+    v_ok = cols_v < V
+    k_d, W_c, carry, _ = chunk_scan_operands(
+        K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
+    )
+    state_addr = dh_states + ((b * n_chunks + c) * H + h).to(tl.int64) * K * V + state_offs
+    dS_out = tl.load(state_addr, mask=state_ok, other=0.0)
+    v_addr = dv_new + ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
+    dv_out = tl.load(v_addr, mask=v_ok[None, :], other=0.0)
+    tl.store(state_addr, dS, mask=state_ok)
+    dv_c = dv_out + mma(k_d, dS, PRECISION)
+    tl.store(v_addr, dv_c, mask=v_ok[None, :])
+    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_c, PRECISION)
+
+
+@triton.jit
 def state_scan_bwd_kernel(
-    q, K_d, G, W, A_qk, doc, do, d_final, dh_states, dv_new, d_initial, scale, T,
+    K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_D_FINAL: tl.constexpr,
-    STORE_D_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_D_INITIAL: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next), dv_new [B,Tp,H,V], dS_0."""
-    # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
-    # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
-    scale = tl.cast(scale, tl.float32)
+    """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next), dv_new [B,Tp,H,V], dS_0; both
+    buffers hold chunk_output_bwd_kernel's terms on entry."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     n_chunks = tl.cdiv(T, C)
@@ -106,31 +153,18 @@ def state_scan_bwd_kernel(
         dS = tl.load(d_final + bh * K * V + state_offs, mask=state_ok, other=0.0)
     else:
         dS = tl.zeros((BK, BV), dtype=tl.float32)
-    c = n_chunks - 1
-    while c >= 0:
-        t0 = c * C
-        valid = t0 + rows < T
-        k_d, W_c, carry, cont = chunk_scan_operands(
-            K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
-        )
-        in_offs_k = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-        q_c = tl.load(q + in_offs_k, mask=(valid & cont)[:, None] & k_ok[None, :], other=0.0)
-        G_c = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
-                      mask=k_ok[None, :], other=0.0)
-        q_decayed = q_c.to(tl.float32) * scale * tl.exp(G_c)
-        A = tl.load(A_qk + ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :])
-        do_offs = ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
-        do_c = tl.load(do + do_offs, mask=valid[:, None] & v_ok[None, :], other=0.0)
-        do_c = do_c.to(tl.float32)
-        state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
-        tl.store(dh_states + state_base + state_offs, dS, mask=state_ok)
-        dv_c = mma(tl.trans(A), do_c, PRECISION)
-        dv_c += mma(k_d, dS, PRECISION)
-        v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
-        tl.store(dv_new + v_offs, dv_c, mask=v_ok[None, :])
-        dS = carry[:, None] * dS + mma(tl.trans(q_decayed), do_c, PRECISION)
-        dS -= mma(tl.trans(W_c), dv_c, PRECISION)
-        c -= 1
+    if INTERPRETED:  # see SCAN_LOOPS
+        c = n_chunks - 1
+        while c >= 0:
+            dS = scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chunks,
+                                rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
+                                PRECISION)
+            c -= 1
+    else:
+        for i in tl.range(0, n_chunks, num_stages=2):
+            dS = scan_bwd_chunk(dS, n_chunks - 1 - i, K_d, G, W, doc, dh_states, dv_new, b, h,
+                                T, Tp, n_chunks, rows, cols_k, cols_v, state_offs, state_ok, H,
+                                K, V, C, HAS_DOCS, PRECISION)
     if STORE_D_INITIAL:
         tl.store(d_initial + bh * K * V + state_offs, dS, mask=state_ok)
 
