@@ -155,7 +155,7 @@ def layer_memory(lengths: list[int], device: str) -> list[dict]:
 
 
 def kernel_profile(impl: Callable, shape, device, dtype, fused) -> list[dict]:
-    """Per-kernel device time of one forward+backward (torch.profiler), largest first."""
+    """Per-kernel device time of one forward+backward of `impl` (torch.profiler), largest first."""
     tensors = inputs(*shape, device, dtype, fused)
     grad = torch.randn_like(tensors[2])
     impl(*tensors)[0].backward(grad)
@@ -166,7 +166,7 @@ def kernel_profile(impl: Callable, shape, device, dtype, fused) -> list[dict]:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     rows = sorted(({"kernel": e.key, "calls": e.count, "ms": e.device_time_total / 1e3}
                    for e in events), key=lambda r: -r["ms"])
-    print(f"kernels of one fwd+bwd at {shape}:")
+    print(f"kernels of one fwd+bwd at {shape}, {sum(r['ms'] for r in rows):.3f} ms in all:")
     for r in rows[:12]:
         print(f"  {r['ms']:8.3f} ms  x{r['calls']:<3} {r['kernel'][:90]}")
     return rows
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--layer-memory", default=LAYER_LENGTHS,
                         help="T values for the layer memory table ('' to skip; CUDA only)")
     parser.add_argument("--profile", action="store_true",
-                        help="per-kernel device times of ours at each shape (CUDA)")
+                        help="per-kernel device times of each impl at each shape (CUDA)")
     parser.add_argument("--block-v", type=positive, default=None,
                         help="ours with this V block (a power of two, at least 32) in the state "
                              "scans and the V-parallel kernels, instead of the op's own")
@@ -243,7 +243,10 @@ def main() -> None:
     if opts.profile and opts.device == "cuda":
         for text in opts.shapes.split(";"):
             shape = tuple(int(v) for v in text.split(","))
-            profiles[text] = kernel_profile(ours_plain, shape, opts.device, dtype, False)
+            profiles[text] = {}
+            for name, (impl, fused) in impls.items():
+                print(f"{name}: ", end="")
+                profiles[text][name] = kernel_profile(impl, shape, opts.device, dtype, fused)
     speedups = {}
     for ours, theirs in (("titan_moe", "fla"), ("titan_moe_fused", "fla_fused")):
         pairs = [(o, f) for o in rows if o["impl"] == ours for f in rows
