@@ -6,8 +6,14 @@
 At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters after --warmup):
   op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the QB
                 histogram and the load in one kernel);
+  op no hist    the op without the histogram and the load (what inference runs): the
+                difference to `op` is the histogram's relaxed atomics;
+  op graphed    the op's call captured in a CUDA graph and replayed: its device time alone
+                (the eager rows include the host's launch cost, as an eager step pays it);
   op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
-                its outputs equal the op's bit for bit;
+                its outputs equal the op's bit for bit (eager and graphed);
+  op rN         the op's launch with ptxas capped at N registers a thread (--maxnreg): fewer
+                registers, more rows resident an SM (the 1-warp launch is occupancy-bound);
   torch         σ + torch.topk(k+1) + renormalised weights + the scatter histogram (qb_histogram),
                 what the op replaces;
   gemm+σ        the router GEMM x [T, d] @ W^T in fp32, and σ;
@@ -49,15 +55,20 @@ def launch_shapes(spec: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def static_row(tokens: int, experts: int, k: int, shape: tuple[int, int], arch: int) -> dict:
-    """Registers, spills, barriers and SASS instructions a token row of one launch shape."""
+def static_row(tokens: int, experts: int, k: int, shape: tuple[int, int], arch: int,
+               maxnreg: int | None = None) -> dict:
+    """Registers, spills, barriers and SASS instructions a token row of one launch shape (with
+    ptxas capped at maxnreg registers a thread, if given)."""
     from triton.backends.compiler import GPUTarget
     from triton_static import recorded_launches, resource_usage, sass_opcodes, source
 
     logits, bias = torch.zeros(tokens, experts), torch.zeros(experts)
     (kernel, args, kwargs), = recorded_launches(qb_module, lambda: qb_module.launch_qb_route(
         logits, bias, None, k, 1.0, N_BINS, True, shape))
-    src, options = source(kernel, args, dict(kwargs))
+    # Recorded on CPU tensors; compile what CUDA runs (libdevice's expf, as torch.sigmoid).
+    src, options = source(kernel, args, {**kwargs, "LIBDEVICE": True})
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     opcodes = sass_opcodes(compiled.asm["cubin"])
     block_t, num_warps = shape
@@ -70,7 +81,21 @@ def op_bytes(tokens: int, experts: int, k: int) -> int:
     return tokens * experts * 4 + tokens * k * 12 + 2 * experts * N_BINS * 4
 
 
-def timed_rows(tokens, experts, k, d, shapes, warmup, iters) -> list[dict]:
+def graphed_ms(fn, warmup: int, iters: int) -> float:
+    """Median ms of fn captured in a CUDA graph and replayed: its device time alone, without the
+    host's launch cost, as the CUDA-graphed training step pays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (JIT, allocator) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return event_timed(graph.replay, "cuda", warmup, iters)
+
+
+def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]:
     router = Router(d, experts, k).cuda().train()
     router.init_weights(0.02)
     x = torch.randn(tokens, d, device="cuda")
@@ -86,12 +111,20 @@ def timed_rows(tokens, experts, k, d, shapes, warmup, iters) -> list[dict]:
 
     rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
              "ms": event_timed(lambda: qb_route(logits, bias, k), "cuda", warmup, iters)}]
-    for shape in shapes:
-        def launch(shape=shape):
-            return qb_module.launch_qb_route(logits, bias, None, k, 1.0, N_BINS, True, shape)
+    rows.append({"impl": "op no hist", "ms": event_timed(
+        lambda: qb_route(logits, bias, k, with_histogram=False), "cuda", warmup, iters)})
+    rows.append({"impl": "op graphed", "ms": graphed_ms(lambda: qb_route(logits, bias, k),
+                                                         warmup, iters)})
+    variants = [(f"op {s[0]}x{s[1]}", {"block_t_and_warps": s}) for s in shapes]
+    variants += [(f"op r{n}", {"maxnreg": n}) for n in caps]
+    for name, launch_args in variants:
+        def launch(launch_args=launch_args):
+            return qb_module.launch_qb_route(logits, bias, None, k, 1.0, N_BINS, True,
+                                             **launch_args)
         equal = all(torch.equal(g, w) for g, w in zip(launch(), want, strict=True))
-        rows.append({"impl": f"op {shape[0]}x{shape[1]}", "launch": list(shape), "equal": equal,
-                     "ms": event_timed(launch, "cuda", warmup, iters)})
+        rows.append({"impl": name, **launch_args, "equal": equal,
+                     "ms": event_timed(launch, "cuda", warmup, iters),
+                     "graphed_ms": graphed_ms(launch, warmup, iters)})
     rows.append({"impl": "torch", "ms": event_timed(torch_route, "cuda", warmup, iters)})
     rows.append({"impl": "gemm+σ", "ms": event_timed(
         lambda: torch.sigmoid(x @ router.weight.t()), "cuda", warmup, iters)})
@@ -104,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="16384,896,16,7168", help="T,E,k,d")
     parser.add_argument("--launch-shapes", type=launch_shapes, default="1,1;2,1;2,2;4,4;4,8",
                         help="BLOCK_T,num_warps;... compared with the op's own")
+    parser.add_argument("--maxnreg", type=lambda v: [int(n) for n in v.split(",") if n],
+                        default="96,80,64", help="register caps to time the op's launch at")
     parser.add_argument("--static", action="store_true",
                         help="compile each launch shape for --arch (no GPU needed), no timing")
     parser.add_argument("--arch", type=positive, default=90, help="CUDA compute capability")
@@ -118,22 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     if opts.static:
         print(f"T {tokens}, E {experts}, k {k}: launch shapes compiled for sm_{opts.arch} "
               f"(the op's own first)")
-        print(f"{'BTxW':<6} {'regs':>5} {'spill B':>8} {'BAR':>5} {'SASS/row':>9}")
-        for shape in [(block_t, num_warps), *others]:
-            row = {"launch": list(shape), **static_row(tokens, experts, k, shape, opts.arch)}
+        print(f"{'launch':<8} {'regs':>5} {'spill B':>8} {'BAR':>5} {'SASS/row':>9}")
+        own = (block_t, num_warps)
+        variants = [(f"{s[0]}x{s[1]}", s, None) for s in [own, *others]]
+        variants += [(f"{own[0]}x{own[1]} r{n}", own, n) for n in opts.maxnreg]
+        for name, shape, cap in variants:
+            row = {"launch": list(shape), "maxnreg": cap,
+                   **static_row(tokens, experts, k, shape, opts.arch, cap)}
             rows.append(row)
-            print(f"{shape[0]}x{shape[1]:<4} {row['registers']:5d} {row['spill_bytes']:8d} "
+            print(f"{name:<8} {row['registers']:5d} {row['spill_bytes']:8d} "
                   f"{row['barriers']:5d} {row['sass_per_row']:9.0f}", flush=True)
     elif not torch.cuda.is_available():
         parser.error("timing needs CUDA; --static compiles for the GPU on any host")
     else:
         floor_ms = op_bytes(tokens, experts, k) / copy_bandwidth("cuda") / 1e6
-        rows = timed_rows(tokens, experts, k, d, others, opts.warmup, opts.iters)
+        rows = timed_rows(tokens, experts, k, d, others, opts.maxnreg, opts.warmup, opts.iters)
         print(f"T {tokens}, E {experts}, k {k}, d {d}, fp32 logits; op floor {floor_ms:.3f} ms")
-        print(f"{'impl':<10} {'ms':>8} {'x floor':>8} {'equal':>6}")
+        print(f"{'impl':<10} {'ms':>8} {'graphed':>8} {'x floor':>8} {'equal':>6}")
         for row in rows:
             row["floor_ms"] = floor_ms
-            print(f"{row['impl']:<10} {row['ms']:8.3f} {row['ms'] / floor_ms:8.1f} "
+            graphed = f"{row['graphed_ms']:8.3f}" if "graphed_ms" in row else f"{'':8}"
+            print(f"{row['impl']:<10} {row['ms']:8.3f} {graphed} {row['ms'] / floor_ms:8.1f} "
                   f"{str(row.get('equal', '')):>6}")
     write_json(opts.out, opts, rows)
     return 0

@@ -18,13 +18,17 @@ def qb_route(monkeypatch):
 
 def test_own_launch_shape_has_no_barrier_no_spill_and_fewer_instructions(qb_route, tmp_path):
     out = tmp_path / "qb_route.json"
-    argv = ["--static", "--shape", "64,896,16,64", "--launch-shapes", "4,8", "--out", str(out)]
+    argv = ["--static", "--shape", "64,896,16,64", "--launch-shapes", "4,8", "--maxnreg", "96",
+            "--out", str(out)]
     assert qb_route.main(argv) == 0
-    own, eight_warps = json.loads(out.read_text())["rows"]
+    own, eight_warps, capped = json.loads(out.read_text())["rows"]
     assert own["launch"] == [1, 1] and eight_warps["launch"] == [4, 8]
     assert own["barriers"] == 0 and own["spill_bytes"] == 0
     assert eight_warps["barriers"] > 0
     assert own["sass_per_row"] < eight_warps["sass_per_row"]
+    # The cap binds (the op's own launch takes more than 96 registers) and costs no spill.
+    assert capped["launch"] == [1, 1] and capped["maxnreg"] == 96
+    assert capped["registers"] <= 96 < own["registers"] and capped["spill_bytes"] == 0
 
 
 @pytest.mark.parametrize("spec", ["3,1", "1", "0,2"])

@@ -148,9 +148,11 @@ def launch_qb_route(
     n_bins: int,
     with_histogram: bool,
     block_t_and_warps: tuple[int, int] | None = None,
+    maxnreg: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The op's body: one kernel launch, at `launch_shape` unless (BLOCK_T, num_warps) is given
-    (bench/qb_route.py compares launch shapes; every shape gives the same bits)."""
+    """The op's body: one kernel launch, at `launch_shape` unless (BLOCK_T, num_warps) is given,
+    with ptxas's own register count unless `maxnreg` caps it (bench/qb_route.py compares launch
+    shapes and caps; every one gives the same bits)."""
     validate_route_inputs(logits, bias, top_k, valid)
     logits = logits.contiguous()
     n_tokens, n_experts = logits.shape
@@ -170,6 +172,7 @@ def launch_qb_route(
         E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
         WITH_HIST=with_histogram, LIBDEVICE=logits.is_cuda, num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return ids, weights, hist, load
 
