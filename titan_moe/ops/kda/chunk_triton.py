@@ -48,6 +48,20 @@ SEGMENT = 65536
 # (bench/kda_compile.py reports each kernel's registers and spills).
 BLOCK_INTRA = 32
 MAX_HEAD_DIM = 256
+# Warps a program, by kernel (bench/kda.py --num-warps times other choices).
+NUM_WARPS = {
+    "gate_cumsum_kernel": 4,
+    "tile_products_kernel": 8,
+    "ut_transform_kernel": 8,
+    "state_scan_fwd_kernel": 8,
+    "chunk_output_kernel": 8,
+    "chunk_output_bwd_kernel": 8,
+    "state_scan_bwd_kernel": 8,
+    "state_terms_bwd_kernel": 8,
+    "ut_transform_bwd_kernel": 8,
+    "tile_products_bwd_kernel": 8,
+    "gate_cumsum_bwd_kernel": 4,
+}
 
 
 def _precision(x: Tensor) -> str:
@@ -87,17 +101,19 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
     operand = _operand(q)
     wrap_triton(gate_cumsum_kernel)[(n_chunks, triton.cdiv(d_k, block), batch * heads)](
         g, A_log, dt_bias, G, g_min, seq_len,
-        H=heads, K=d_k, BK=block, C=CHUNK, FUSED_GATE=A_log is not None, num_warps=4,
+        H=heads, K=d_k, BK=block, C=CHUNK, FUSED_GATE=A_log is not None,
+        num_warps=NUM_WARPS["gate_cumsum_kernel"],
     )  # fmt: skip
     wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
         q, k, G, doc, A_qk, KK, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-        OPERAND=operand, PRECISION=_precision(q), num_warps=8,
+        OPERAND=operand, PRECISION=_precision(q), num_warps=NUM_WARPS["tile_products_kernel"],
     )  # fmt: skip
     wrap_triton(ut_transform_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, W, U, K_d, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK,
-        HAS_DOCS=doc is not None, STORE_TINV=store_bwd, OPERAND=operand, num_warps=8,
+        HAS_DOCS=doc is not None, STORE_TINV=store_bwd, OPERAND=operand,
+        num_warps=NUM_WARPS["ut_transform_kernel"],
     )  # fmt: skip
     return G, A_qk, KK, Tinv, W, U, K_d
 
@@ -115,7 +131,8 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precisi
         K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=output_final_state,
-        PRECISION=precision, INTERPRETED=triton.knobs.runtime.interpret, num_warps=8,
+        PRECISION=precision, INTERPRETED=triton.knobs.runtime.interpret,
+        num_warps=NUM_WARPS["state_scan_fwd_kernel"],
     )  # fmt: skip
     return h_states, v_new, final
 
@@ -134,7 +151,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
     wrap_triton(chunk_output_kernel)[grid](
         q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=8,
+        PRECISION=_precision(q), num_warps=NUM_WARPS["chunk_output_kernel"],
     )  # fmt: skip
     return o, final
 
@@ -212,14 +229,15 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(chunk_output_bwd_kernel)[(n_chunks, triton.cdiv(d_v, block_v), batch * heads)](
         q, G, A_qk, doc, do, dh_states, dv_new, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=8,
+        PRECISION=_precision(q), num_warps=NUM_WARPS["chunk_output_bwd_kernel"],
     )  # fmt: skip
     del A_qk
     wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
         K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
-        PRECISION=_precision(q), INTERPRETED=triton.knobs.runtime.interpret, num_warps=8,
+        PRECISION=_precision(q), INTERPRETED=triton.knobs.runtime.interpret,
+        num_warps=NUM_WARPS["state_scan_bwd_kernel"],
     )  # fmt: skip
     del W
 
@@ -230,7 +248,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=8,
+        PRECISION=_precision(q), num_warps=NUM_WARPS["state_terms_bwd_kernel"],
     )  # fmt: skip
     del h_states, dh_states
     dv = torch.empty_like(v)
@@ -239,7 +257,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(ut_transform_bwd_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=8,
+        PRECISION=_precision(q), num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
     )  # fmt: skip
     del KK, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
@@ -248,14 +266,14 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
                                           batch * heads)](
         q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=8,
+        PRECISION=_precision(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
     )  # fmt: skip
     del dA, dP, Tinv, d_qg, d_w
     dg = torch.empty(g.shape, **f32)
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         g, A_log, dt_bias, G, K_d, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
-        FUSED_GATE=A_log is not None, num_warps=4,
+        FUSED_GATE=A_log is not None, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, d_initial
 
