@@ -48,6 +48,8 @@ SEGMENT = 65536
 # (bench/kda_compile.py reports each kernel's registers and spills).
 BLOCK_INTRA = 32
 MAX_HEAD_DIM = 256
+# The state scans' GEMM operands for bf16 inputs (_scan_precision; bench/kda.py --scan-gemms).
+SCAN_GEMMS = "tf32"
 # Warps a program, by kernel (bench/kda.py --num-warps times other choices).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
@@ -62,6 +64,14 @@ NUM_WARPS = {
     "tile_products_bwd_kernel": 8,
     "gate_cumsum_bwd_kernel": 4,
 }
+
+
+def _scan_precision(x: Tensor) -> str:
+    # The scans' GEMMs on half-precision inputs: SCAN_GEMMS, "tf32" (fp32 operands) or "bf16"
+    # (operands rounded to bf16, fp32 accumulation: tensor cores at full rate, as fla's scans).
+    if x.dtype == torch.float32 or SCAN_GEMMS == "tf32":
+        return _precision(x)
+    return _operand(x)
 
 
 def _precision(x: Tensor) -> str:
@@ -144,7 +154,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
     d_v = v.shape[-1]
     G, A_qk, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
     h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
-                                   seq_len, _precision(q))
+                                   seq_len, _scan_precision(q))
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
     block_k, block_v, _ = _blocks(d_k, d_v)
     grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
@@ -159,7 +169,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
 def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
     """The state after one segment, by the forward's first four kernels (no output)."""
     G, _, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
-    return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _precision(q))[2]
+    return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _scan_precision(q))[2]
 
 
 def _segments(seq_len: int) -> list[tuple[int, int]]:
@@ -219,7 +229,8 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     n_chunks = triton.cdiv(seq_len, CHUNK)
     block_k, block_v, block = _blocks(d_k, d_v)
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
-    h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len, _precision(q))
+    h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len,
+                               _scan_precision(q))
     # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
     # the live ones at its peak (Inductor frees by last use on its own).
     del U
@@ -236,7 +247,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
-        PRECISION=_precision(q), INTERPRETED=triton.knobs.runtime.interpret,
+        PRECISION=_scan_precision(q), INTERPRETED=triton.knobs.runtime.interpret,
         num_warps=NUM_WARPS["state_scan_bwd_kernel"],
     )  # fmt: skip
     del W
