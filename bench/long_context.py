@@ -18,7 +18,10 @@ Per length: time of the step (median of --iters after --warmup), time per token,
 torch.cuda.max_memory_allocated (also per 1K tokens); a length that runs out of memory is a row
 with status "oom" (its peak is the allocator's at the failure) and the next length still runs.
 Every row carries the memory plan's peak for the same step (`titan_moe.plan.memory.bench_estimate`)
-and, measured on CUDA, planned / measured (the plan's target: within 0.85 .. 1.15).
+and, measured on CUDA, planned / measured (the plan's target: within 0.85 .. 1.15). With
+--phase-peaks one more step per length records the allocated memory by phase (the forward,
+the loss's backward, each layer's backward with its recompute), to lay the peak at one phase
+and set each layer's rise against the plan's recompute of it.
 """
 
 import argparse
@@ -35,7 +38,7 @@ from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
-from titan_moe.plan.memory import GIB, PlanConfig, bench_estimate
+from titan_moe.plan.memory import GIB, PlanConfig, bench_estimate, layer_activation_bytes
 from titan_moe.train.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
 
 LENGTHS = "8192,65536,262144,1048576"
@@ -75,14 +78,55 @@ def planned_peak_gib(args: TitanMoEArgs, length: int, ac: str, loss_chunk: int,
     return bench_estimate(cfg).peak / GIB
 
 
+class PhasePeaks:
+    """Allocated memory by phase of one step: the forward (with the loss), the loss's backward,
+    then each decoder layer's backward from the gradient of its output on (its recompute under
+    AC included). `rows` holds, per phase, the GiB allocated at its start and its peak (CUDA;
+    0 elsewhere), so the step's peak can be laid at one phase and set against the plan."""
+
+    def __init__(self, model: TitanMoE, cuda: bool):
+        self.cuda, self.rows, self.recording = cuda, [], False
+        self.handles = [layer.register_forward_hook(self._on_output(int(i)))
+                        for i, layer in model.layers.items()]
+
+    def _on_output(self, layer_id: int):
+        def hook(module, args, output):
+            # The recompute's outputs join no graph the backward runs: their hooks never fire.
+            partial = output[1]
+            if self.recording and partial.requires_grad:
+                partial.register_hook(lambda grad: self.mark(f"backward, layer {layer_id}"))
+        return hook
+
+    def mark(self, phase: str) -> None:
+        if self.rows and self.cuda:
+            self.rows[-1]["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated() / GIB if self.cuda else 0.0
+        self.rows.append({"phase": phase, "start_gib": start, "peak_gib": start})
+
+    def finish(self) -> list[dict]:
+        self.mark("end")
+        for handle in self.handles:
+            handle.remove()
+        return self.rows[:-1]
+
+
 def step(model: TitanMoE, loss_fn: ChunkedCrossEntropy, tokens: torch.Tensor,
-         labels: torch.Tensor, doc_ids: torch.Tensor, offload: bool = False) -> float:
+         labels: torch.Tensor, doc_ids: torch.Tensor, offload: bool = False,
+         phases: PhasePeaks | None = None) -> float:
     # The checkpoints' hooks sit inside save_on_cpu's: only the layer inputs (and what is saved
     # outside the layers) go to the host; the recompute in backward stays on the GPU.
     saved = (torch.autograd.graph.save_on_cpu(pin_memory=tokens.is_cuda) if offload
              else contextlib.nullcontext())
+    if phases is not None:
+        phases.recording = True
+        phases.mark("forward and loss")
     with saved, hidden_from_head(model.output):
         loss = loss_fn(model(tokens, doc_ids), labels)
+    if phases is not None:
+        phases.recording = False
+        phases.mark("backward, loss")
     loss.backward()
     value = loss.item() / tokens.numel()
     model.zero_grad(set_to_none=True)
@@ -95,7 +139,8 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len: int,
-            device: str, warmup: int, iters: int, offload: bool = False) -> dict:
+            device: str, warmup: int, iters: int, offload: bool = False,
+            phase_peaks: bool = False) -> dict:
     vocab = model.output.weight.shape[0]
     row = {"seq_len": length, "doc_len": min(doc_len, length)}
     if device == "cuda":
@@ -117,6 +162,10 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+        if phase_peaks:  # one more step, untimed: the hooks and their marks cost host time
+            phases = PhasePeaks(model, device == "cuda")
+            step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload, phases)
+            row["phases"] = phases.finish()
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if not _is_oom(error):
             raise
@@ -134,6 +183,21 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
         row.update(max_memory_allocated_gib=peak, gib_per_1k_tokens=1024 * peak / length)
         torch.cuda.empty_cache()
     return row
+
+
+def print_phases(phases: list[dict], args: TitanMoEArgs, length: int) -> None:
+    """Each phase's start and peak, and for a layer's backward the plan's recompute of it."""
+    print(f"  {'phase':<20} {'start GiB':>9} {'peak GiB':>9} {'rise GiB':>9} "
+          f"{'plan recompute':>14}")
+    for p in phases:
+        plan = ""
+        if p["phase"].startswith("backward, layer "):
+            layer_id = int(p["phase"].rsplit(" ", 1)[1])
+            saved = layer_activation_bytes(args, layer_id, 1, length)
+            p["plan_recompute_gib"] = saved.recompute / GIB
+            plan = f"{p['plan_recompute_gib']:14.2f}"
+        print(f"  {p['phase']:<20} {p['start_gib']:9.2f} {p['peak_gib']:9.2f} "
+              f"{p['peak_gib'] - p['start_gib']:9.2f} {plan}")
 
 
 def main() -> None:
@@ -157,6 +221,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile per sublayer with the trainer's passes (the plan "
                              "assumes it: fused SiTU-GLU and RMSNorm save only their inputs)")
+    parser.add_argument("--phase-peaks", action="store_true",
+                        help="one more step per length, its peak memory by phase (forward, "
+                             "each layer's backward) beside the plan's recompute of that layer")
     parser.add_argument("--warmup", type=non_negative, default=1)
     parser.add_argument("--iters", type=positive, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -183,7 +250,7 @@ def main() -> None:
     rows = []
     for length in lengths:
         r = measure(model, loss_fn, length, args.doc_len, device, args.warmup, args.iters,
-                    args.offload)
+                    args.offload, args.phase_peaks)
         r["planned_peak_gib"] = planned_peak_gib(model_cfg, length, args.ac, args.loss_chunk,
                                                  args.offload)
         if "max_memory_allocated_gib" in r:
@@ -195,6 +262,8 @@ def main() -> None:
               f"{r.get('gib_per_1k_tokens', float('nan')):>10.4f} "
               f"{r['planned_peak_gib']:>8.2f} {r.get('planned_over_measured', float('nan')):>8.3f}",
               flush=True)
+        if "phases" in r:
+            print_phases(r["phases"], model_cfg, length)
         if args.out:  # after every length, so a crash keeps the rows measured so far
             with open(args.out, "w") as f:
                 json.dump({"flavor": args.flavor, "device": device, "ac": args.ac,

@@ -94,3 +94,18 @@ def test_moe_chunk_reaches_the_model_and_the_plan(tmp_path, monkeypatch):
     assert chunk_sizes == [48, 16] * 2 + [48, 48, 32] * 2
     for got, want in zip(losses[48], losses[0], strict=True):
         assert abs(got - want) <= 1e-6 * abs(want)
+
+
+def test_phase_peaks_follow_the_backward_layer_by_layer(tmp_path, monkeypatch):
+    # --phase-peaks: the extra step's phases in the order the backward meets them (the loss,
+    # then the layers last first, each marked once although AC reruns its forward), each layer
+    # with the plan's recompute of it. No CUDA: the GiB are 0, the order is the check.
+    bench = load_bench("long_context")
+    out = tmp_path / "lc.json"
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64",
+                                      "--phase-peaks", "--out", str(out)])
+    bench.main()
+    phases = json.loads(out.read_text())["rows"][0]["phases"]
+    assert [p["phase"] for p in phases] == ["forward and loss", "backward, loss",
+                                            "backward, layer 1", "backward, layer 0"]
+    assert all(p["plan_recompute_gib"] > 0 for p in phases[2:])
