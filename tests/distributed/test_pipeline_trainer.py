@@ -189,7 +189,13 @@ def test_resume_under_pp2_reproduces_the_uninterrupted_run(runs, tmp_path):
 
 MM_STEPS = 3
 MOVED = 1e-3
-TOWER_ATOL = 1e-6
+# pp2 against one process, per tower tensor: at most 1% of how far the tensor moved. The two
+# runs sum their gradients in different orders (fp32, about 1e-7 relative), and AdamW divides
+# each element's step by its own gradient scale, so an element whose gradient is near zero can
+# land 1e-6 .. 1e-5 apart after three steps (6.7e-6 of a 5.2e-3 move, 0.13%, on the CPU host on
+# 2026-12-05, where a fixed 1e-6 failed at code that had passed it before). A stage that
+# trained the tower wrongly lands a step (about 1.7e-3) apart.
+TOWER_SHARE_OF_MOVE = 1e-2
 
 
 def tiny_multimodal() -> list[str]:
@@ -230,5 +236,7 @@ def test_multimodal_pp2_with_the_tower_on_the_first_stage_matches_one_process(tm
     pp2 = tower(tmp_path / "pp2" / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "pp2.pt")
     assert start and start.keys() == one.keys() == pp2.keys()
     for name, weight in pp2.items():
-        assert (weight - start[name]).abs().max() > MOVED, f"{name} did not train"
-        torch.testing.assert_close(weight, one[name], rtol=0, atol=TOWER_ATOL, msg=name)
+        moved = (weight - start[name]).abs().max().item()
+        assert moved > MOVED, f"{name} did not train"
+        torch.testing.assert_close(weight, one[name], rtol=0,
+                                   atol=TOWER_SHARE_OF_MOVE * moved, msg=name)
