@@ -7,7 +7,7 @@ At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters
   op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the QB
                 histogram and the load in one kernel);
   op no hist    the op without the histogram and the load (what inference runs): the
-                difference to `op` is the histogram's relaxed atomics;
+                difference to `op` is the histogram's relaxed atomics (eager and graphed);
   op graphed    the op's call captured in a CUDA graph and replayed: its device time alone
                 (the eager rows include the host's launch cost, as an eager step pays it);
   op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
@@ -111,8 +111,10 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
 
     rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
              "ms": event_timed(lambda: qb_route(logits, bias, k), "cuda", warmup, iters)}]
-    rows.append({"impl": "op no hist", "ms": event_timed(
-        lambda: qb_route(logits, bias, k, with_histogram=False), "cuda", warmup, iters)})
+    def no_hist():
+        return qb_route(logits, bias, k, with_histogram=False)
+    rows.append({"impl": "op no hist", "ms": event_timed(no_hist, "cuda", warmup, iters),
+                 "graphed_ms": graphed_ms(no_hist, warmup, iters)})
     rows.append({"impl": "op graphed", "ms": graphed_ms(lambda: qb_route(logits, bias, k),
                                                          warmup, iters)})
     variants = [(f"op {s[0]}x{s[1]}", {"block_t_and_warps": s}) for s in shapes]
