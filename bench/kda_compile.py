@@ -41,8 +41,9 @@ def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.d
     common = (q, k, v, g, beta, doc, A_log, dt_bias, None)
 
     def run():
-        chunk_triton.chunk_kda_fwd._init_fn(*common, d**-0.5, -5.0, False)
-        chunk_triton.chunk_kda_bwd._init_fn(*common, torch.zeros_like(v), None, d**-0.5, -5.0)
+        _, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(*common, d**-0.5, -5.0, False, True)
+        chunk_triton.chunk_kda_bwd._init_fn(*common, torch.zeros_like(v), None, d**-0.5, -5.0,
+                                            *matrices)
 
     return recorded_launches(chunk_triton, run)
 

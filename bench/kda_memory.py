@@ -9,7 +9,8 @@ tensors with every Triton launch stubbed out, so each op's Python allocates exac
 allocates on the GPU and no kernel runs; a dispatch mode (the memory plan's
 `titan_moe.plan.op_workspace.LiveBytes`) adds up the bytes of every live storage and keeps the
 largest sum. Our op's forward and backward bodies run as plain Python,
-under its own autograd (the forward saves the inputs only): a custom op's body is hidden from a
+under its own autograd (the forward saves the inputs and the chunk matrices it keeps for the
+backward, as the op's does): a custom op's body is hidden from a
 dispatch mode. fla-core is pure Python plus Triton; installed, its `chunk_kda` (`safe_gate`,
 lower bound -5, g given or `use_gate_in_kernel`) runs the same way. The caching allocator's
 512-byte rounding is left out. Checked against the H200: the op as it was on 2026-12-04
@@ -55,21 +56,23 @@ def no_triton_launches():
 
 
 class OursWithBodies(torch.autograd.Function):
-    """Our op's autograd (forward saves the inputs, backward is `chunk_triton._backward`) with the
-    two triton_ops' Python bodies called directly."""
+    """Our op's autograd (forward saves the inputs and the kept chunk matrices, backward is
+    `chunk_triton._backward`) with the two triton_ops' Python bodies called directly."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias):
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias)
         ctx.scale = q.shape[-1] ** -0.5
-        return chunk_triton.chunk_kda_fwd._init_fn(q, k, v, g, beta, None, A_log, dt_bias, None,
-                                                   ctx.scale, G_MIN, False)[0]
+        o, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(
+            q, k, v, g, beta, None, A_log, dt_bias, None, ctx.scale, G_MIN, False, True)
+        kept = matrices if matrices[0].numel() else (None, None, None)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *kept)
+        return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, beta, A_log, dt_bias = ctx.saved_tensors
-        saved = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None),
-                                scale=ctx.scale, g_min=G_MIN)
+        q, k, v, g, beta, A_log, dt_bias, *matrices = ctx.saved_tensors
+        saved = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None,
+                                               *matrices), scale=ctx.scale, g_min=G_MIN)
         op = chunk_triton.chunk_kda_bwd
         chunk_triton.chunk_kda_bwd = op._init_fn
         try:

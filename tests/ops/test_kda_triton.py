@@ -162,7 +162,7 @@ def run_opcheck() -> dict:
 
     q, k, v, g, beta, h0, _ = make_inputs(1, 80, 1, 16, 16, "random")
     args = [x.float().requires_grad_() for x in (q, k, v, g, beta)]
-    args += [None, None, None, h0.float(), 16**-0.5, G_MIN, True]
+    args += [None, None, None, h0.float(), 16**-0.5, G_MIN, True, True]
     tests = ("test_schema", "test_autograd_registration")
     return {name: str(result) for name, result in
             torch.library.opcheck(chunk_kda_fwd, args, test_utils=tests).items()}

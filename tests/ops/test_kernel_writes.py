@@ -106,13 +106,16 @@ def test_kda_kernels_write_only_their_outputs():
     doc = torch.zeros(1, 128, dtype=torch.int32)
 
     def run(m):
-        m.chunk_kda_fwd(q, q, q, g, beta, doc, None, None, None, 0.125, -5.0, True)
-        return m.chunk_kda_bwd(q, q, q, g, beta, doc, None, None, None, q, None, 0.125, -5.0)
+        _, _, *matrices = m.chunk_kda_fwd(q, q, q, g, beta, doc, None, None, None, 0.125, -5.0,
+                                          True, True)
+        return m.chunk_kda_bwd(q, q, q, g, beta, doc, None, None, None, q, None, 0.125, -5.0,
+                               *matrices)
 
     got = written("titan_moe.ops.kda.chunk_triton", run)
-    # The backward's launches of the forward kernels (recomputation) overwrite their entries.
+    # The backward's launches of the forward kernels (recomputation) overwrite their entries:
+    # given the forward's chunk matrices, its UT transform reads Tinv and writes W, U, K_d.
     assert got == {"gate_cumsum_kernel": {"G_out"}, "tile_products_kernel": {"A_qk", "KK"},
-                   "ut_transform_kernel": {"Tinv", "W", "U", "K_d"},
+                   "ut_transform_kernel": {"W", "U", "K_d"},
                    "state_scan_fwd_kernel": {"h_states", "v_new"}, "chunk_output_kernel": {"o"},
                    "chunk_output_bwd_kernel": {"dh_states", "dv_new"},
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},

@@ -81,7 +81,7 @@ from titan_moe.ops.short_conv.short_conv_triton import short_conv_triton
 from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 from titan_moe.parallel.pipeline import boundary_tensors
-from titan_moe.plan.op_workspace import kda_backward_workspace
+from titan_moe.plan.op_workspace import kda_backward_workspace, kda_kept_matrices
 
 GB = 1e9
 GIB = 2**30
@@ -275,7 +275,8 @@ def _kda_triton_op(q, k, v, g_raw, A_log, dt_bias, beta, g_min=-5.0, **kwargs):
     batch, seq_len, heads, d_k = q.shape
     _op_workspaces.append(kda_backward_workspace(batch, seq_len, heads, d_k, v.shape[-1],
                                                  A_log is not None))
-    return _SavesForBackward.apply(v, q, k, v, g_raw, beta, A_log, dt_bias), None
+    kept = kda_kept_matrices(batch, seq_len, heads, q.device)
+    return _SavesForBackward.apply(v, q, k, v, g_raw, beta, A_log, dt_bias, *kept), None
 
 
 def _grouped_gemm(x, w, offs, zero_padding_rows=True):

@@ -84,21 +84,36 @@ def kda_launches_skipped() -> Iterator[None]:
         chunk_triton.wrap_triton = original
 
 
+def kda_kept_matrices(batch: int, seq_len: int, heads: int,
+                      device: torch.device | str = "meta") -> tuple[torch.Tensor, ...]:
+    """The chunk matrices (A_qk, KK, Tinv, fp32) the KDA op's forward keeps for its backward
+    when a backward will run; none for a sequence over chunk_triton.SEGMENT tokens, whose
+    backward recomputes them segment by segment."""
+    if seq_len > chunk_triton.SEGMENT:
+        return ()
+    padded = -(-seq_len // chunk_triton.CHUNK) * chunk_triton.CHUNK
+    return tuple(torch.empty(batch, padded, heads, chunk_triton.CHUNK, dtype=torch.float32,
+                             device=device) for _ in range(3))
+
+
 @functools.cache
 def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
                            fused_gate: bool = True) -> int:
-    """Peak bytes the KDA op's backward holds besides its inputs: dO, the recomputed fp32
-    buffers, the gradients' buffers and the gradients it returns (bf16 inputs, as in training)."""
+    """Peak bytes the KDA op's backward holds besides its inputs and the chunk matrices its
+    forward kept (kda_kept_matrices: saved, so the plan counts them with the layer's saves): dO,
+    the recomputed fp32 buffers, the gradients' buffers and the gradients it returns (bf16
+    inputs, as in training)."""
     with torch.device("meta"):
         q, k, g = (torch.empty(batch, seq_len, heads, d_k, dtype=torch.bfloat16)
                    for _ in range(3))
         v = torch.empty(batch, seq_len, heads, d_v, dtype=torch.bfloat16)
         beta = torch.empty(batch, seq_len, heads, dtype=torch.bfloat16)
         gate = (torch.empty(heads), torch.empty(heads * d_k)) if fused_gate else (None, None)
-        tracker = LiveBytes(ignore=(q, k, v, g, beta, *gate))
+        kept = kda_kept_matrices(batch, seq_len, heads)
+        tracker = LiveBytes(ignore=(q, k, v, g, beta, *gate, *kept))
         with kda_launches_skipped(), tracker:
             do = torch.empty_like(v)
             grads = chunk_triton.chunk_kda_bwd._init_fn(q, k, v, g, beta, None, *gate, None, do,
-                                                        None, d_k**-0.5, -5.0)
+                                                        None, d_k**-0.5, -5.0, *kept)
             del do, grads
     return tracker.peak

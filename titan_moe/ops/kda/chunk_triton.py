@@ -1,18 +1,23 @@
 """Chunked KDA as a user-defined Triton op that torch.compile traces (fullgraph, no break).
 
     forward:  gate_cumsum -> tile_products -> ut_transform -> state_scan_fwd -> chunk_output
-    backward: the forward's first four (recomputed) -> chunk_output_bwd -> state_scan_bwd
-              -> state_terms_bwd -> ut_transform_bwd -> tile_products_bwd -> gate_cumsum_bwd
+    backward: gate_cumsum -> ut_transform from the kept Tinv (by segments: tile_products and
+              the whole UT transform again) -> state_scan_fwd -> chunk_output_bwd
+              -> state_scan_bwd -> state_terms_bwd -> ut_transform_bwd -> tile_products_bwd
+              -> gate_cumsum_bwd
 
 `titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
 Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
-registered on the forward op. The forward keeps only its inputs: W, U, the per-chunk states
-and V~ are recomputed in the backward, so memory stays linear in T. Those recomputed fp32
-buffers and the gradients' take about 4 kB a token and head at K = V = 128 (6.3 GiB at 64K
-tokens and 16 heads), so a sequence longer than SEGMENT tokens runs by segments, the state
-passed from one to the next: forward in order, backward last segment first, each from the state
-entering it (one more forward pass over the segments finds those states first). Both then hold
-one segment's buffers at any length, for that extra pass at long context. With `A_log`/`dt_bias`
+registered on the forward op. The forward keeps its inputs and, when a backward will run on
+a sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
+the backward then skips tile_products and the UT transform's 64x64 inverse, as fla's keeps its
+A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so memory stays
+linear in T. Those recomputed fp32 buffers and the gradients' take about 4 kB a token and head
+at K = V = 128 (6.3 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT tokens
+runs by segments, the state passed from one to the next: forward in order, backward last
+segment first, each from the state entering it (one more forward pass over the segments finds
+those states first). Both then hold one segment's buffers at any length, for that extra pass at
+long context. With `A_log`/`dt_bias`
 the kernels compute the lower-bounded gate g = g_min sigmoid(exp(A_log) (g_raw + dt_bias))
 themselves, and its chunk-local cumsum, and return the gradient of g_raw.
 
@@ -94,7 +99,9 @@ def _blocks(d_k: int, d_v: int) -> tuple[int, int, int]:
     return block_k, block_v, min(block_k, BLOCK_INTRA)
 
 
-def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
+def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_tinv, matrices=None):
+    """G, A_qk, KK, Tinv (with store_tinv, else None), W, U, K_d of every chunk. `matrices`,
+    the forward's (A_qk, KK, Tinv), skip tile_products and the UT transform's inverse."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -102,9 +109,6 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
     _, block_v, block = _blocks(d_k, d_v)
     f32 = dict(device=q.device, dtype=torch.float32)
     G = torch.empty(batch, padded, heads, d_k, **f32)
-    A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
-    KK = torch.empty_like(A_qk)
-    Tinv = torch.empty_like(A_qk) if store_bwd else None
     W = torch.empty(batch, padded, heads, d_k, **f32)
     K_d = torch.empty_like(W)
     U = torch.empty(batch, padded, heads, d_v, **f32)
@@ -114,16 +118,23 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_bwd):
         H=heads, K=d_k, BK=block, C=CHUNK, FUSED_GATE=A_log is not None,
         num_warps=NUM_WARPS["gate_cumsum_kernel"],
     )  # fmt: skip
-    wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
-        q, k, G, doc, A_qk, KK, scale, seq_len,
-        H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-        OPERAND=operand, PRECISION=_precision(q), num_warps=NUM_WARPS["tile_products_kernel"],
-    )  # fmt: skip
+    if matrices is None:
+        A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
+        KK = torch.empty_like(A_qk)
+        Tinv = torch.empty_like(A_qk) if store_tinv else None
+        wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
+            q, k, G, doc, A_qk, KK, scale, seq_len,
+            H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
+            OPERAND=operand, PRECISION=_precision(q),
+            num_warps=NUM_WARPS["tile_products_kernel"],
+        )  # fmt: skip
+    else:
+        A_qk, KK, Tinv = matrices
     wrap_triton(ut_transform_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, W, U, K_d, seq_len,
-        H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK,
-        HAS_DOCS=doc is not None, STORE_TINV=store_bwd, OPERAND=operand,
-        num_warps=NUM_WARPS["ut_transform_kernel"],
+        H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
+        STORE_TINV=store_tinv and matrices is None, TINV_GIVEN=matrices is not None,
+        OPERAND=operand, num_warps=NUM_WARPS["ut_transform_kernel"],
     )  # fmt: skip
     return G, A_qk, KK, Tinv, W, U, K_d
 
@@ -148,11 +159,12 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precisi
 
 
 def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min,
-                     output_final_state):
-    """One segment's forward: (o, final state or None)."""
+                     output_final_state, keep_matrices=False):
+    """One segment's forward: (o, final state or None, (A_qk, KK, Tinv) or None)."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
-    G, A_qk, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
+    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
+                                          keep_matrices)
     h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
                                    seq_len, _scan_precision(q))
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
@@ -163,7 +175,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         PRECISION=_precision(q), num_warps=NUM_WARPS["chunk_output_kernel"],
     )  # fmt: skip
-    return o, final
+    return o, final, (A_qk, KK, Tinv) if keep_matrices else None
 
 
 def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
@@ -204,31 +216,40 @@ def chunk_kda_fwd(
     scale: float,
     g_min: float,
     output_final_state: bool,
-) -> tuple[Tensor, Tensor]:
-    """(o [B,T,H,V] in q's dtype, final state [B,H,K,V] fp32, empty unless asked for)."""
+    keep_matrices: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o [B,T,H,V] in q's dtype, final state [B,H,K,V] fp32, empty unless asked for, and with
+    keep_matrices the chunk matrices A_qk, KK, Tinv [B,Tp,H,C] fp32 for the backward, which
+    then skips tile_products and the inverse; empty when not kept or when the sequence runs by
+    segments, whose backward recomputes them one segment at a time)."""
     seq_len = q.shape[1]
+    matrices = None
     if seq_len <= SEGMENT:
-        o, final = _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale,
-                                    g_min, output_final_state)
+        o, final, matrices = _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias,
+                                              initial_state, scale, g_min, output_final_state,
+                                              keep_matrices)
     else:
         o = torch.empty(*q.shape[:3], v.shape[-1], device=q.device, dtype=q.dtype)
         final = initial_state
         for start, end in _segments(seq_len):
             rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
-            o[:, start:end], final = _forward_segment(
+            o[:, start:end], final, _ = _forward_segment(
                 *rows, A_log, dt_bias, _entering(final, doc, start), scale, g_min, True)
         final = final if output_final_state else None
-    return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
+    empties = [q.new_empty(0, dtype=torch.float32) for _ in range(4)]  # outputs never alias
+    return (o, final if final is not None else empties[0], *(matrices or empties[1:]))
 
 
 def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
-                      g_min):
-    """One segment's backward: (dq, dk, dv, dg fp32, dbeta fp32, d initial_state or None)."""
+                      g_min, matrices=None):
+    """One segment's backward: (dq, dk, dv, dg fp32, dbeta fp32, d initial_state or None).
+    `matrices`: the forward's (A_qk, KK, Tinv), else recomputed."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
     block_k, block_v, block = _blocks(d_k, d_v)
-    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, True)
+    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
+                                          True, matrices)
     h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len,
                                _scan_precision(q))
     # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
@@ -304,12 +325,17 @@ def chunk_kda_bwd(
     d_final: Tensor | None,
     scale: float,
     g_min: float,
+    A_qk: Tensor | None = None,
+    KK: Tensor | None = None,
+    Tinv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one)."""
+    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one). A_qk, KK,
+    Tinv: the forward's kept chunk matrices (a sequence of one segment), else recomputed."""
     seq_len = q.shape[1]
     if seq_len <= SEGMENT:
+        matrices = None if A_qk is None else (A_qk, KK, Tinv)
         grads = _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do,
-                                  d_final, scale, g_min)
+                                  d_final, scale, g_min, matrices)
     else:
         segments = _segments(seq_len)
         entering = [initial_state]  # the state entering each segment, zeroed where one begins
@@ -336,18 +362,21 @@ def chunk_kda_bwd(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _ = inputs
-    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state)
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _, _ = inputs
+    matrices = output[2:]
+    ctx.mark_non_differentiable(*matrices)
+    kept = matrices if matrices[0].numel() else (None, None, None)
+    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, *kept)
     ctx.scale, ctx.g_min = scale, g_min
 
 
-def _backward(ctx, do: Tensor, d_final: Tensor | None):
-    q, k, v, g, beta, doc, A_log, dt_bias, initial_state = ctx.saved_tensors
+def _backward(ctx, do: Tensor, d_final: Tensor | None, *_matrices_grads):
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, KK, Tinv = ctx.saved_tensors
     if d_final is not None and d_final.numel() == 0:
         d_final = None
     dq, dk, dv, dg, dbeta, d_initial = chunk_kda_bwd(
         q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
-        None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min,
+        None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min, A_qk, KK, Tinv,
     )  # fmt: skip
     dA_log = d_dt_bias = None
     if A_log is not None:
@@ -358,7 +387,7 @@ def _backward(ctx, do: Tensor, d_final: Tensor | None):
         dA_log = (dg * pre).sum((0, 1, 3)).to(A_log.dtype)
     return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), None, dA_log, d_dt_bias,
             None if initial_state is None else d_initial.to(initial_state.dtype),
-            None, None, None)
+            None, None, None, None)
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -395,11 +424,15 @@ def chunk_kda_triton(
     scale = d_k**-0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    o, final = chunk_kda_fwd(
+    # A backward will run: keep the chunk matrices for it (inference does not pay for them).
+    grads = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    )
+    o, final, *_ = chunk_kda_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         None if doc is None else doc.to(torch.int32).contiguous(),
         None if A_log is None else A_log.contiguous(),
         None if dt_bias is None else dt_bias.contiguous(),
-        initial_state, float(scale), float(g_min), output_final_state,
+        initial_state, float(scale), float(g_min), output_final_state, grads,
     )  # fmt: skip
     return o, final if output_final_state else None

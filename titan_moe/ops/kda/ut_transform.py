@@ -56,9 +56,11 @@ def gamma_keys(k, G, b, h, t0, T, Tp, rows, cols_k, H: tl.constexpr, K: tl.const
 def ut_transform_kernel(
     k, v, G, beta, doc, KK, Tinv, W, U, K_d, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, HAS_DOCS: tl.constexpr, STORE_TINV: tl.constexpr, OPERAND: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, STORE_TINV: tl.constexpr, TINV_GIVEN: tl.constexpr,
+    OPERAND: tl.constexpr,
 ):  # fmt: skip
-    """W, K_d [B,Tp,H,K], U [B,Tp,H,V] fp32 (+ Tinv [B,Tp,H,C] for the backward)."""
+    """W, K_d [B,Tp,H,K], U [B,Tp,H,V] fp32 (+ Tinv [B,Tp,H,C] for the backward). With
+    TINV_GIVEN the forward's Tinv is read instead (the backward: no inverse, nor KK read)."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     t0 = chunk * C
@@ -67,13 +69,16 @@ def ut_transform_kernel(
     valid = t0 + rows < T
     beta_c = tl.load(beta + (b * T + t0 + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
     cc_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :]
-    L = beta_c[:, None] * tl.load(KK + cc_offs)
-    if OPERAND == "ieee":
-        inv = unit_lower_inverse(L, rows, C, "ieee")
+    if TINV_GIVEN:
+        inv = tl.load(Tinv + cc_offs)
     else:
-        inv = unit_lower_inverse(L, rows, C, "tf32")
-    if STORE_TINV:
-        tl.store(Tinv + cc_offs, inv)
+        L = beta_c[:, None] * tl.load(KK + cc_offs)
+        if OPERAND == "ieee":
+            inv = unit_lower_inverse(L, rows, C, "ieee")
+        else:
+            inv = unit_lower_inverse(L, rows, C, "tf32")
+        if STORE_TINV:
+            tl.store(Tinv + cc_offs, inv)
     M = inv * beta_c[None, :]
     d, _, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
     last_doc = d == d_last
