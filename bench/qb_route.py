@@ -5,15 +5,16 @@
 
 At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters after --warmup):
   op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the QB
-                histogram and the load in one kernel);
+                histogram and the load in one kernel), called eagerly (the host's launch cost
+                included, as an eager step pays it) and graphed (its call captured in a CUDA
+                graph and replayed: device time alone, as the CUDA-graphed step pays it);
   op no hist    the op without the histogram and the load (what inference runs): the
                 difference to `op` is the histogram's relaxed atomics (eager and graphed);
-  op graphed    the op's call captured in a CUDA graph and replayed: its device time alone
-                (the eager rows include the host's launch cost, as an eager step pays it);
   op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
                 its outputs equal the op's bit for bit (eager and graphed);
   op rN         the op's launch with ptxas capped at N registers a thread (--maxnreg): fewer
-                registers, more rows resident an SM (the 1-warp launch is occupancy-bound);
+                registers, more rows resident an SM (at 96, 21 warps an SM against 12: only
+                4% faster graphed on the H200, 2026-12-05);
   torch         σ + torch.topk(k+1) + renormalised weights + the scatter histogram (qb_histogram),
                 what the op replaces;
   gemm+σ        the router GEMM x [T, d] @ W^T in fp32, and σ;
@@ -109,14 +110,15 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
         chosen = s.gather(-1, ids[:, :k])
         return chosen / chosen.sum(-1, keepdim=True), qb_histogram(s, vals[:, k], bias)
 
+    def op():
+        return qb_route(logits, bias, k)
     rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
-             "ms": event_timed(lambda: qb_route(logits, bias, k), "cuda", warmup, iters)}]
+             "ms": event_timed(op, "cuda", warmup, iters),
+             "graphed_ms": graphed_ms(op, warmup, iters)}]
     def no_hist():
         return qb_route(logits, bias, k, with_histogram=False)
     rows.append({"impl": "op no hist", "ms": event_timed(no_hist, "cuda", warmup, iters),
                  "graphed_ms": graphed_ms(no_hist, warmup, iters)})
-    rows.append({"impl": "op graphed", "ms": graphed_ms(lambda: qb_route(logits, bias, k),
-                                                         warmup, iters)})
     variants = [(f"op {s[0]}x{s[1]}", {"block_t_and_warps": s}) for s in shapes]
     variants += [(f"op r{n}", {"maxnreg": n}) for n in caps]
     for name, launch_args in variants:
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-shapes", type=launch_shapes, default="1,1;2,1;2,2;4,4;4,8",
                         help="BLOCK_T,num_warps;... compared with the op's own")
     parser.add_argument("--maxnreg", type=lambda v: [int(n) for n in v.split(",") if n],
-                        default="96,80,64", help="register caps to time the op's launch at")
+                        default="96,80,64",
+                        help="register caps for the op's launch (timed, or compiled with --static)")
     parser.add_argument("--static", action="store_true",
                         help="compile each launch shape for --arch (no GPU needed), no timing")
     parser.add_argument("--arch", type=positive, default=90, help="CUDA compute capability")
