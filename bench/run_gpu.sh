@@ -32,8 +32,16 @@ step tune_fla python3 scripts/tune_fla_kda.py
 # the signal method cannot interrupt a test stuck in a Triton or Inductor compile).
 step gpu_tests python3 -m pytest -m gpu tests -p no:cacheprovider -rfE --timeout 600 \
     --timeout-method=thread -o faulthandler_timeout=120
+# The KDA op's own GPU tests alone (a minute with pytest-xdist), before its benchmarks.
+step kda_tests python3 -m pytest -m gpu tests/gpu/test_kda_triton_cuda.py -p no:cacheprovider \
+    -rfE -n 4 --dist load
 step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
-step kda python3 bench/kda.py --out "$out/kda.json"
+step kda python3 bench/kda.py --profile --out "$out/kda.json"
+# Issue 19's variants of ours at the proxy shape: bf16 scan operands, and each kernel's warps.
+step kda_variants bash -c "python3 bench/kda.py --impls titan_moe --shapes 1,8192,16,128 \
+    --layer-memory '' --profile --scan-gemms bf16 --out $out/kda_scan_bf16.json && \
+    python3 bench/kda.py --impls titan_moe --shapes 1,8192,16,128 --layer-memory '' \
+    --warps-sweep 2,4,8 --out $out/kda_warps.json"
 step attn_res python3 bench/attn_res.py --out "$out/attn_res.json"
 step short_conv python3 bench/short_conv.py --out "$out/short_conv.json"
 step moe_dispatch python3 bench/moe_dispatch.py --out "$out/moe_dispatch.json"
@@ -42,9 +50,9 @@ step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 # Issue 22: compiled, full AC; with the saved layer inputs offloaded and the MoE layers in token
 # chunks the plan expects 512K to fit one H200 (113.8 GiB) and 1M not (218 GiB); each row
-# carries planned / measured.
+# carries planned / measured, and its peak memory by phase (--phase-peaks) beside the plan's.
 step long_context python3 bench/long_context.py --compile --offload --moe-chunk 65536 \
-    --lengths 8192,65536,262144,524288,1048576 --out "$out/long_context.json"
+    --lengths 8192,65536,262144,524288,1048576 --phase-peaks --out "$out/long_context.json"
 # Issue 22.4: the stage chain at 8K -> 16K -> 32K -> 64K, 30 steps each, resuming stage to stage;
 # the long-context evaluation of each stage lands in its TensorBoard folder.
 step stage_chain bash -c "python3 scripts/short_stages.py --steps 30 --out $out/stages && \
