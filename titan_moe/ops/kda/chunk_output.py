@@ -12,6 +12,22 @@ from titan_moe.ops.kda.chunk_common import chunk_documents
 
 
 @triton.jit
+def query_operands(q, G, doc, b, h, t0, T, Tp, rows, cols_k, H: tl.constexpr, K: tl.constexpr,
+                   C: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """The chunk's queries, fp32, zero on rows that do not continue from the previous chunk
+    (only those read S), and its G: the operands of scale * Gamma * Q. Values only, as
+    ut_transform.gamma_keys (Inductor's write analysis)."""
+    k_ok = cols_k < K
+    d, d_before, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    cont = (d == d_before) & (t0 + rows < T)
+    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    q_c = tl.load(q + in_offs, mask=cont[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+    return q_c, G_c
+
+
+@triton.jit
 def chunk_output_kernel(
     q, G, A_qk, h_states, v_new, doc, o, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -31,12 +47,7 @@ def chunk_output_kernel(
     cols_k = tl.arange(0, BK)
     cols_v = v_block * BV + tl.arange(0, BV)
     k_ok, v_ok = cols_k < K, cols_v < V
-    d, d_before, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    cont = (d == d_before) & valid
-    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    q_c = tl.load(q + in_offs, mask=cont[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+    q_c, G_c = query_operands(q, G, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS)
     state_base = ((b * n_chunks + chunk) * H + h).to(tl.int64) * K * V
     S = tl.load(h_states + state_base + cols_k[:, None] * V + cols_v[None, :],
                 mask=k_ok[:, None] & v_ok[None, :], other=0.0)
@@ -71,12 +82,7 @@ def chunk_output_bwd_kernel(
     cols_k = tl.arange(0, BK)
     cols_v = v_block * BV + tl.arange(0, BV)
     k_ok, v_ok = cols_k < K, cols_v < V
-    d, d_before, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    cont = (d == d_before) & valid
-    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    q_c = tl.load(q + in_offs, mask=cont[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+    q_c, G_c = query_operands(q, G, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS)
     A = tl.load(A_qk + ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :])
     do_offs = ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     do_c = tl.load(do + do_offs, mask=valid[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
