@@ -2,8 +2,9 @@
 launch skipped: the buffers are allocated exactly as on the GPU (on meta or CPU tensors) and no
 kernel runs.
 
-The memory plan needs this for the KDA op, whose backward recomputes the forward's chunk
-matrices, states and W, U and holds them in fp32 with the gradients' fp32 buffers: about 4 kB
+The memory plan needs this for the KDA op, whose backward recomputes the forward's states and
+W, U (and over segments its chunk matrices, which a one-segment forward keeps) and holds them
+in fp32 with the gradients' fp32 buffers: about 4 kB
 a token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
 largest saved tensor is 2 bytes a channel.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
