@@ -220,10 +220,10 @@ def main() -> None:
     parser.add_argument("--block-v", type=positive, default=None,
                         help="ours with this V block (a power of two, at least 32) in the state "
                              "scans and the V-parallel kernels, instead of the op's own")
-    parser.add_argument("--scan-gemms", choices=("tf32", "bf16"), default=None,
-                        help="ours with the state scans' GEMM operands in this precision "
-                             "(bf16: 6e-3 relative RMS on the final state at d 128 under the "
-                             "interpreter, above the 5e-3 test bound; tf32: the op's own)")
+    parser.add_argument("--gemms", choices=("bf16", "tf32"), default=None,
+                        help="ours with these GEMM operands for bf16 inputs (chunk_triton.GEMMS; "
+                             "bf16, the op's own, or tf32: fp32 operands, the op before "
+                             "2026-12-05's fourteenth session)")
     parser.add_argument("--warps-sweep", default="",
                         help="warp counts (e.g. 4,8): each of ours' kernels profiled at each, "
                              "all kernels at once, at the first shape (CUDA)")
@@ -235,8 +235,8 @@ def main() -> None:
             parser.error(f"--block-v must be a power of two >= 32, got {opts.block_v}")
         # The module, not the function the package exports under its name.
         importlib.import_module("titan_moe.ops.kda.chunk_triton").BLOCK_V = opts.block_v
-    if opts.scan_gemms is not None:
-        importlib.import_module("titan_moe.ops.kda.chunk_triton").SCAN_GEMMS = opts.scan_gemms
+    if opts.gemms is not None:
+        importlib.import_module("titan_moe.ops.kda.chunk_triton").GEMMS = opts.gemms
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
     impls = {"titan_moe": (ours_plain, False), "titan_moe_fused": (ours_fused, True)}
     fla = {} if opts.device != "cuda" or opts.no_fla else fla_impls()
@@ -256,7 +256,7 @@ def main() -> None:
     def save(rows, speedups=None, memory=(), profiles=None, sweep=None) -> None:
         result = {"environment": environment(), "dtype": str(dtype), "copy_gbps": bandwidth,
                   "doc_len": opts.doc_len, "block_v": opts.block_v,
-                  "scan_gemms": opts.scan_gemms, "rows": rows,
+                  "gemms": opts.gemms, "rows": rows,
                   "speedups": speedups or {}, "layer_memory": list(memory),
                   "kernel_profiles": profiles or {}, "warps_sweep": sweep or {}}
         with open(opts.out, "w") as f:

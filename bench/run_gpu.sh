@@ -37,9 +37,10 @@ step kda_tests python3 -m pytest -m gpu tests/gpu/test_kda_triton_cuda.py -p no:
     -rfE -n 4 --dist load
 step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
 step kda python3 bench/kda.py --profile --out "$out/kda.json"
-# Issue 19's variants of ours at the proxy shape: bf16 scan operands, and each kernel's warps.
+# Issue 19's variants of ours at the proxy shape: tf32 GEMM operands (the op until the bf16
+# ones), and each kernel's warps.
 step kda_variants bash -c "python3 bench/kda.py --impls titan_moe --shapes 1,8192,16,128 \
-    --layer-memory '' --profile --scan-gemms bf16 --out $out/kda_scan_bf16.json && \
+    --layer-memory '' --profile --gemms tf32 --out $out/kda_tf32.json && \
     python3 bench/kda.py --impls titan_moe --shapes 1,8192,16,128 --layer-memory '' \
     --warps-sweep 2,4,8 --out $out/kda_warps.json"
 step attn_res python3 bench/attn_res.py --out "$out/attn_res.json"

@@ -26,14 +26,35 @@ SUBTILE = 16
 
 
 @triton.jit
+def round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: the GPU's conversion
+    (cvt.rn). Triton 3.6's interpreter converts by truncation instead, whose error is twice as
+    large and one-signed, so it piles up in sums (tests/ops/test_kda_triton.py checks this one
+    against torch's). Finite values only: a NaN may come back as another NaN or infinity."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def rounded_to(x, dtype: tl.constexpr):
+    """fp32 x in dtype, rounded to nearest as the GPU converts, under the interpreter too (there
+    the bound of a bf16 output would otherwise meet twice the rounding error)."""
+    if dtype == tl.bfloat16:
+        x = round_to_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def mma(a, b, OPERAND: tl.constexpr):
     """a @ b accumulated in fp32, the operands as OPERAND says: "bf16" (tensor cores at full
     rate), "bf16_emulated" (the same rounding, then IEEE fp32 GEMMs: Triton 3.6's interpreter
-    misreads bf16 dot operands), or a tl.dot input precision ("tf32", "ieee") on fp32 operands."""
+    misreads bf16 dot operands and truncates to bf16), or a tl.dot input precision ("tf32",
+    "ieee") on fp32 operands."""
     if OPERAND == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif OPERAND == "bf16_emulated":
-        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+        return tl.dot(round_to_bf16(a.to(tl.float32)), round_to_bf16(b.to(tl.float32)),
                       input_precision="ieee")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=OPERAND)

@@ -53,8 +53,10 @@ SEGMENT = 65536
 # (bench/kda_compile.py reports each kernel's registers and spills).
 BLOCK_INTRA = 32
 MAX_HEAD_DIM = 256
-# The state scans' GEMM operands for bf16 inputs (_scan_precision; bench/kda.py --scan-gemms).
-SCAN_GEMMS = "tf32"
+# The GEMM operands for half-precision inputs (_operand; bench/kda.py --gemms): "bf16" (fp32
+# accumulation, tensor cores at full rate) or "tf32" (fp32 operands, half the rate, twice the
+# shared memory). Each kernel's module says what bf16 costs in accuracy.
+GEMMS = "bf16"
 # Warps a program, by kernel (bench/kda.py --num-warps times other choices).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
@@ -71,23 +73,18 @@ NUM_WARPS = {
 }
 
 
-def _scan_precision(x: Tensor) -> str:
-    # The scans' GEMMs on half-precision inputs: SCAN_GEMMS, "tf32" (fp32 operands) or "bf16"
-    # (operands rounded to bf16, fp32 accumulation: tensor cores at full rate, as fla's scans).
-    if x.dtype == torch.float32 or SCAN_GEMMS == "tf32":
-        return _precision(x)
-    return _operand(x)
-
-
-def _precision(x: Tensor) -> str:
-    # float32 inputs get IEEE fp32 GEMMs (the 1e-4 test bound); half precision gets tf32.
+def _precise(x: Tensor) -> str:
+    """The GEMMs that keep fp32 operands: tile_products_bwd_kernel's (its docstring says why).
+    float32 inputs get IEEE fp32 GEMMs (the 1e-4 test bound); half precision gets tf32."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _operand(x: Tensor) -> str:
-    """The GEMM operands of the kernels whose range argument allows bf16 (chunk_common.mma)."""
+    """The operands of every other GEMM (chunk_common.mma): GEMMS for half-precision inputs."""
     if x.dtype == torch.float32:
         return "ieee"
+    if GEMMS == "tf32":
+        return "tf32"
     return "bf16_emulated" if triton.knobs.runtime.interpret else "bf16"
 
 
@@ -125,7 +122,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_tinv, matr
         wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
             q, k, G, doc, A_qk, KK, scale, seq_len,
             H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-            OPERAND=operand, PRECISION=_precision(q),
+            OPERAND=operand,
             num_warps=NUM_WARPS["tile_products_kernel"],
         )  # fmt: skip
     else:
@@ -139,7 +136,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_tinv, matr
     return G, A_qk, KK, Tinv, W, U, K_d
 
 
-def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precision):
+def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, operand):
     batch, _, heads, d_k = K_d.shape
     d_v = U.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -152,7 +149,7 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, precisi
         K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=output_final_state,
-        PRECISION=precision, INTERPRETED=triton.knobs.runtime.interpret,
+        OPERAND=operand, INTERPRETED=triton.knobs.runtime.interpret,
         num_warps=NUM_WARPS["state_scan_fwd_kernel"],
     )  # fmt: skip
     return h_states, v_new, final
@@ -166,14 +163,14 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
                                           keep_matrices)
     h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
-                                   seq_len, _scan_precision(q))
+                                   seq_len, _operand(q))
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
     block_k, block_v, _ = _blocks(d_k, d_v)
     grid = (triton.cdiv(seq_len, CHUNK), triton.cdiv(d_v, block_v), batch * heads)
     wrap_triton(chunk_output_kernel)[grid](
         q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=NUM_WARPS["chunk_output_kernel"],
+        OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_kernel"],
     )  # fmt: skip
     return o, final, (A_qk, KK, Tinv) if keep_matrices else None
 
@@ -181,7 +178,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
 def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
     """The state after one segment, by the forward's first four kernels (no output)."""
     G, _, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
-    return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _scan_precision(q))[2]
+    return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _operand(q))[2]
 
 
 def _segments(seq_len: int) -> list[tuple[int, int]]:
@@ -251,7 +248,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
                                           True, matrices)
     h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len,
-                               _scan_precision(q))
+                               _operand(q))
     # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
     # the live ones at its peak (Inductor frees by last use on its own).
     del U
@@ -261,14 +258,14 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(chunk_output_bwd_kernel)[(n_chunks, triton.cdiv(d_v, block_v), batch * heads)](
         q, G, A_qk, doc, do, dh_states, dv_new, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=NUM_WARPS["chunk_output_bwd_kernel"],
+        OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_bwd_kernel"],
     )  # fmt: skip
     del A_qk
     wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
         K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
-        PRECISION=_scan_precision(q), INTERPRETED=triton.knobs.runtime.interpret,
+        OPERAND=_operand(q), INTERPRETED=triton.knobs.runtime.interpret,
         num_warps=NUM_WARPS["state_scan_bwd_kernel"],
     )  # fmt: skip
     del W
@@ -280,7 +277,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=NUM_WARPS["state_terms_bwd_kernel"],
+        OPERAND=_operand(q), num_warps=NUM_WARPS["state_terms_bwd_kernel"],
     )  # fmt: skip
     del h_states, dh_states
     dv = torch.empty_like(v)
@@ -289,7 +286,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(ut_transform_bwd_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
+        OPERAND=_operand(q), num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
     )  # fmt: skip
     del KK, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
@@ -298,7 +295,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
                                           batch * heads)](
         q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-        PRECISION=_precision(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
+        PRECISION=_precise(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
     )  # fmt: skip
     del dA, dP, Tinv, d_qg, d_w
     dg = torch.empty(g.shape, **f32)

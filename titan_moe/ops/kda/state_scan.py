@@ -14,10 +14,14 @@ registers; the gradients through each chunk's use of its states then run paralle
 from the previous chunk read S, only the chunk's last document writes S_next, and the carry is
 zero when that document starts inside the chunk.
 
-The GEMMs take PRECISION (tf32 for half-precision inputs): with bf16 operands the final state's
-error over bf16 inputs rose from 6e-5 to 5e-3 relative RMS and dv's from 3.4e-3 to 7.7e-3
-(interpreter, d_k 32-64). Numeric range: only exp(G_r), exp(G_C) and exp(G_C - G_r) appear,
-all <= 1 (G nonincreasing). The per-chunk states are indexed in int64: B·NC·H·K·V passes 2^31
+The GEMMs take OPERAND (bf16 for half-precision inputs, fp32 accumulation, the state kept in
+fp32 between chunks), as fla's scans. Numeric range: only exp(G_r), exp(G_C) and exp(G_C - G_r)
+appear, all <= 1 (G nonincreasing), and each GEMM rounds its fp32 operands (S, V~, W, K_d)
+by 2^-9 a term. Over bf16 inputs, with every GEMM of the op on bf16 operands but
+tile_products_bwd_kernel's, the final state's error is 1.5e-3 to 3.3e-3 relative RMS against
+float64 (bound 5e-3; below 1e-5 on fp32 operands), the gradients' at most 4.8e-3 (bound 2e-2):
+d_k 32-128, up to 256 tokens, under the interpreter, rounding to bf16 as the GPU does
+(chunk_common.round_to_bf16). The per-chunk states are indexed in int64: B·NC·H·K·V passes 2^31
 from about 512K tokens at H 16, K = V = 128.
 """
 
@@ -53,7 +57,7 @@ def chunk_scan_operands(K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H: tl.con
 def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks, rows, cols_k,
                    cols_v, state_offs, state_ok, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, C: tl.constexpr, HAS_DOCS: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   OPERAND: tl.constexpr):
     """Chunk c of the forward scan: stores the state entering it and V~, returns S_next."""
     t0 = c * C
     v_ok = cols_v < V
@@ -64,9 +68,9 @@ def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chun
     U_c = tl.load(U + v_offs, mask=v_ok[None, :], other=0.0)
     state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
     tl.store(h_states + state_base + state_offs, S, mask=state_ok)
-    v_c = U_c - mma(W_c, S, PRECISION)
+    v_c = U_c - mma(W_c, S, OPERAND)
     tl.store(v_new + v_offs, v_c, mask=v_ok[None, :])
-    return carry[:, None] * S + mma(tl.trans(k_d), v_c, PRECISION)
+    return carry[:, None] * S + mma(tl.trans(k_d), v_c, OPERAND)
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def state_scan_fwd_kernel(
     K_d, G, W, U, doc, initial_state, h_states, v_new, final_state, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_INITIAL: tl.constexpr,
-    STORE_FINAL: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    STORE_FINAL: tl.constexpr, OPERAND: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """h_states [B,NC,H,K,V] (state entering each chunk), v_new [B,Tp,H,V], final [B,H,K,V]."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
@@ -96,13 +100,13 @@ def state_scan_fwd_kernel(
         while c < n_chunks:
             S = scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks,
                                rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
-                               PRECISION)
+                               OPERAND)
             c += 1
     else:
         for c in tl.range(0, n_chunks, num_stages=2):
             S = scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks,
                                rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
-                               PRECISION)
+                               OPERAND)
     if STORE_FINAL:
         tl.store(final_state + bh * K * V + state_offs, S, mask=state_ok)
 
@@ -111,7 +115,7 @@ def state_scan_fwd_kernel(
 def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chunks, rows,
                    cols_k, cols_v, state_offs, state_ok, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, C: tl.constexpr, HAS_DOCS: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   OPERAND: tl.constexpr):
     """Chunk c of the reverse scan, on the output's terms that chunk_output_bwd_kernel left in
     dh_states[c] and dv_new[c]: stores dS_next of the chunk and dV~ in their place, returns the
     gradient of the state entering the chunk."""
@@ -125,9 +129,9 @@ def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chun
     v_addr = dv_new + ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     dv_out = tl.load(v_addr, mask=v_ok[None, :], other=0.0)
     tl.store(state_addr, dS, mask=state_ok)
-    dv_c = dv_out + mma(k_d, dS, PRECISION)
+    dv_c = dv_out + mma(k_d, dS, OPERAND)
     tl.store(v_addr, dv_c, mask=v_ok[None, :])
-    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_c, PRECISION)
+    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_c, OPERAND)
 
 
 @triton.jit
@@ -135,7 +139,7 @@ def state_scan_bwd_kernel(
     K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_D_FINAL: tl.constexpr,
-    STORE_D_INITIAL: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    STORE_D_INITIAL: tl.constexpr, OPERAND: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next), dv_new [B,Tp,H,V], dS_0; both
     buffers hold chunk_output_bwd_kernel's terms on entry."""
@@ -158,13 +162,13 @@ def state_scan_bwd_kernel(
         while c >= 0:
             dS = scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chunks,
                                 rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
-                                PRECISION)
+                                OPERAND)
             c -= 1
     else:
         for i in tl.range(0, n_chunks, num_stages=2):
             dS = scan_bwd_chunk(dS, n_chunks - 1 - i, K_d, G, W, doc, dh_states, dv_new, b, h,
                                 T, Tp, n_chunks, rows, cols_k, cols_v, state_offs, state_ok, H,
-                                K, V, C, HAS_DOCS, PRECISION)
+                                K, V, C, HAS_DOCS, OPERAND)
     if STORE_D_INITIAL:
         tl.store(d_initial + bh * K * V + state_offs, dS, mask=state_ok)
 
@@ -173,7 +177,7 @@ def state_scan_bwd_kernel(
 def state_terms_bwd_kernel(
     do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr,
 ):  # fmt: skip
     """The gradients through each chunk's use of its states, parallel over chunks and K blocks.
 
@@ -208,9 +212,9 @@ def state_terms_bwd_kernel(
         pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
         vn = tl.load(v_new + pad_offs, mask=v_ok[None, :], other=0.0)
         dvn = tl.load(dv_new + pad_offs, mask=v_ok[None, :], other=0.0)
-        d_qg_c += mma(do_c, tl.trans(S), PRECISION)
-        d_w_c -= mma(dvn, tl.trans(S), PRECISION)
-        d_kd_c += mma(vn, tl.trans(dS), PRECISION)
+        d_qg_c += mma(do_c, tl.trans(S), OPERAND)
+        d_w_c -= mma(dvn, tl.trans(S), OPERAND)
+        d_kd_c += mma(vn, tl.trans(dS), OPERAND)
         d_gamma_c += tl.sum(S * dS, axis=1)
     d, d_before, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
     cont = (d == d_before)[:, None]

@@ -14,7 +14,7 @@ unit-lower inverse's entries stay below 2^63 (the bound of C = 64 forward substi
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.chunk_common import chunk_documents, mma
+from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def ut_transform_kernel(
 def ut_transform_bwd_kernel(
     k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr,
 ):  # fmt: skip
     """The UT transform's backward: dv, dbeta, and the gradients of the decayed products.
 
@@ -113,7 +113,10 @@ def ut_transform_bwd_kernel(
         Tinv = (I + L)^{-1}:  dL = -Tinv^T dTinv Tinv^T (strict lower, same document)
         L = Diag(beta) KK:    dbeta_r += sum_j dL_rj KK_rj,     dKK = Diag(beta) dL
     dv [B,T,H,V] in v's dtype, dbeta [B,T,H] fp32, dA (strict part and diagonal) and dP = dKK
-    [B,Tp,H,C] fp32. One program per (chunk, batch*head); fp32 operands (PRECISION) throughout.
+    [B,Tp,H,C] fp32. One program per (chunk, batch*head), every GEMM on OPERAND operands (bf16
+    for half-precision inputs; Tinv's range is the forward's): over bf16 inputs, with every GEMM
+    of the op on bf16 operands but tile_products_bwd_kernel's, the gradients' error is at most
+    4.8e-3 relative RMS against float64 (bound 2e-2; interpreter, rounding as the GPU does).
     """
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -141,18 +144,18 @@ def ut_transform_bwd_kernel(
         v_c = tl.load(v + in_offs, mask=in_mask, other=0.0)
         vn = tl.load(v_new + pad_offs, mask=v_ok[None, :], other=0.0)
         dvn = tl.load(dv_new + pad_offs, mask=v_ok[None, :], other=0.0)
-        dA_c += mma(do_c, tl.trans(vn), PRECISION)
-        dM += mma(dvn, tl.trans(v_c), PRECISION)
-        tl.store(dv + in_offs, mma(tl.trans(M), dvn, PRECISION).to(dv.dtype.element_ty),
+        dA_c += mma(do_c, tl.trans(vn), OPERAND)
+        dM += mma(dvn, tl.trans(v_c), OPERAND)
+        tl.store(dv + in_offs, rounded_to(mma(tl.trans(M), dvn, OPERAND), dv.dtype.element_ty),
                  mask=in_mask)
     for k0 in tl.range(0, K, BK):
         cols_k = k0 + tl.arange(0, BK)
         k_gamma = gamma_keys(k, G, b, h, t0, T, Tp, rows, cols_k, H, K)[2]
         d_w_c = tl.load(d_w + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
                         mask=(cols_k < K)[None, :], other=0.0)
-        dM += mma(d_w_c, tl.trans(k_gamma), PRECISION)
+        dM += mma(d_w_c, tl.trans(k_gamma), OPERAND)
     dbeta_c = tl.sum(dM * inv, axis=0)
-    dL = -mma(mma(tl.trans(inv), dM * beta_c[None, :], PRECISION), tl.trans(inv), PRECISION)
+    dL = -mma(mma(tl.trans(inv), dM * beta_c[None, :], OPERAND), tl.trans(inv), OPERAND)
     dL = tl.where(strict, dL, 0.0)
     dbeta_c += tl.sum(dL * tl.load(KK + cc_offs), axis=1)
     tl.store(dbeta + (b * T + t0 + rows) * H + h, dbeta_c, mask=valid)
