@@ -82,8 +82,8 @@ step run_train_profile env CONFIG_FILE=configs/proxy.toml ./run_train.sh --train
     --job.dump_folder "$out/run_train_profile"
 step run_train_gaps bash -c "python3 bench/trace_gaps.py $out/run_train_profile/profile_traces/iteration_30/rank0_trace.json; python3 bench/trace_host.py $out/run_train_profile/profile_traces/iteration_30/rank0_trace.json"
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
-step float8_grouped python3 bench/float8_training.py --check-grouped-gemm
-step float8_training python3 bench/float8_training.py --steps 300 --compile --variants bf16 float8 --out "$out/float8_training.json"
+step float8_tests python3 -m pytest -m gpu tests/gpu/test_float8_cuda.py -p no:cacheprovider -rfE
+step float8_training python3 bench/float8_training.py --steps 300 --compile --out "$out/float8_training.json"
 # Issue 23.3: TTFT and compiled, CUDA-graphed decode at 1K..512K; one step per batch size (each
 # context recompiles the step), both merged into one JSON.
 step generate_b1 python3 bench/generate.py --batches 1 --out "$out/generate.json"
