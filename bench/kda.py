@@ -172,35 +172,6 @@ def kernel_profile(impl: Callable, shape, device, dtype, fused) -> list[dict]:
     return rows
 
 
-def warps_sweep(warps: list[int], shape, dtype) -> dict[str, dict[int, float]]:
-    """Device ms of each of ours' kernels (one forward+backward, plain gate) with every kernel at
-    each warp count: a kernel's time depends on its own launch only, so one run per count
-    gives each kernel's best. Prints kernel x warps; the op's own NUM_WARPS come back after."""
-    chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
-    own = dict(chunk_triton.NUM_WARPS)
-    table: dict[str, dict[int, float]] = {}
-    try:
-        for w in warps:
-            chunk_triton.NUM_WARPS.update(dict.fromkeys(own, w))
-            print(f"{w} warps: ", end="")
-            try:
-                profile = kernel_profile(ours_plain, shape, "cuda", dtype, False)
-            except Exception as error:  # a launch past the SM's resources: the row says so
-                print(f"failed: {type(error).__name__}: {error}")
-                continue
-            for row in profile:
-                if row["kernel"] in own:
-                    table.setdefault(row["kernel"], {})[w] = row["ms"]
-    finally:
-        chunk_triton.NUM_WARPS.update(own)
-    print(f"warps sweep at {shape}, ms a forward+backward (* the op's own):")
-    for kernel, by_warps in table.items():
-        cells = "  ".join(f"{w}:{ms:7.3f}" + ("*" if w == own[kernel] else " ")
-                          for w, ms in sorted(by_warps.items()))
-        print(f"  {kernel:<26} {cells}")
-    return table
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -224,9 +195,6 @@ def main() -> None:
                         help="ours with these GEMM operands for bf16 inputs (chunk_triton.GEMMS; "
                              "bf16, the op's own, or tf32: fp32 operands, the op before "
                              "2026-12-05's fourteenth session)")
-    parser.add_argument("--warps-sweep", default="",
-                        help="warp counts (e.g. 4,8): each of ours' kernels profiled at each, "
-                             "all kernels at once, at the first shape (CUDA)")
     parser.add_argument("--out", default="bench/kda.json")
     opts = parser.parse_args()
     if opts.block_v is not None:
@@ -253,12 +221,12 @@ def main() -> None:
         if unknown:
             parser.error(f"--impls: {sorted(unknown)} not available here; allowed {list(impls)}")
         impls = {k: v for k, v in impls.items() if k in opts.impls}
-    def save(rows, speedups=None, memory=(), profiles=None, sweep=None) -> None:
+    def save(rows, speedups=None, memory=(), profiles=None) -> None:
         result = {"environment": environment(), "dtype": str(dtype), "copy_gbps": bandwidth,
                   "doc_len": opts.doc_len, "block_v": opts.block_v,
                   "gemms": opts.gemms, "rows": rows,
                   "speedups": speedups or {}, "layer_memory": list(memory),
-                  "kernel_profiles": profiles or {}, "warps_sweep": sweep or {}}
+                  "kernel_profiles": profiles or {}}
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=2)
 
@@ -286,10 +254,6 @@ def main() -> None:
             for name, (impl, fused) in impls.items():
                 print(f"{name}: ", end="")
                 profiles[text][name] = kernel_profile(impl, shape, opts.device, dtype, fused)
-    sweep = {}
-    if opts.warps_sweep and opts.device == "cuda":
-        shape = tuple(int(v) for v in opts.shapes.split(";")[0].split(","))
-        sweep = warps_sweep([int(w) for w in opts.warps_sweep.split(",")], shape, dtype)
     speedups = {}
     for ours, theirs in (("titan_moe", "fla"), ("titan_moe_fused", "fla_fused")):
         pairs = [(o, f) for o in rows if o["impl"] == ours for f in rows
@@ -302,7 +266,7 @@ def main() -> None:
     memory = []
     if opts.device == "cuda" and opts.layer_memory:
         memory = layer_memory([int(t) for t in opts.layer_memory.split(",")], opts.device)
-    save(rows, speedups, memory, profiles, sweep)
+    save(rows, speedups, memory, profiles)
     print(f"wrote {opts.out}")
 
 

@@ -37,12 +37,9 @@ step kda_tests python3 -m pytest -m gpu tests/gpu/test_kda_triton_cuda.py -p no:
     -rfE -n 4 --dist load
 step kda_compile python3 bench/kda_compile.py --out "$out/kda_compile.json"
 step kda python3 bench/kda.py --profile --out "$out/kda.json"
-# Issue 19's variants of ours at the proxy shape: tf32 GEMM operands (the op until the bf16
-# ones), and each kernel's warps.
-step kda_variants bash -c "python3 bench/kda.py --impls titan_moe --shapes 1,8192,16,128 \
-    --layer-memory '' --profile --gemms tf32 --out $out/kda_tf32.json && \
-    python3 bench/kda.py --impls titan_moe --shapes 1,8192,16,128 --layer-memory '' \
-    --warps-sweep 2,4,8 --out $out/kda_warps.json"
+# Issue 19: each of ours' kernels alone at the proxy shape, at 2/4/8 warps, 1 or 3 stages, bf16
+# and tf32 operands (the op's own settings beside each launch's fastest).
+step kda_kernels python3 bench/kda_kernels.py --stages 1,3 --out "$out/kda_kernels.json"
 step attn_res python3 bench/attn_res.py --out "$out/attn_res.json"
 step short_conv python3 bench/short_conv.py --out "$out/short_conv.json"
 step moe_dispatch python3 bench/moe_dispatch.py --out "$out/moe_dispatch.json"
