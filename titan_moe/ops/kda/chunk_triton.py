@@ -68,7 +68,7 @@ NUM_WARPS = {
     "state_scan_bwd_kernel": 8,
     "state_terms_bwd_kernel": 8,
     "ut_transform_bwd_kernel": 8,
-    "tile_products_bwd_kernel": 8,
+    "tile_products_bwd_kernel": 4,
     "gate_cumsum_bwd_kernel": 4,
 }
 

@@ -3,15 +3,17 @@
     A_qk[r,j] = sum_c q_rc k_jc exp(G_rc - G_jc)   j <= r, same document
     KK[r,j]   = sum_c k_rc k_jc exp(G_rc - G_jc)   j <  r, same document
 One program per (chunk, 16-row tile, batch*head), referenced at the tile's first row n
-(chunk_common.py gives the numeric range), over K blocks, each GEMM on OPERAND operands (bf16
-for half-precision inputs): the columns before the tile, one [16, BK] x [BK, C] GEMM (both
-factors exp(G_r - G_n) and exp(G_n - G_j) are <= 1 there), and the tile itself, [16, BK] x
-[BK, 16] (the column factor up to exp(75), inside bf16's exponent range). Rounding the factored
-operands costs 2^-9 of each term: over bf16 inputs, with every GEMM of the op on bf16 operands
-but tile_products_bwd_kernel's, the output's error is at most 3.8e-3 relative RMS against
-float64 (bound 5e-3; 1.7e-3, its own rounding to bf16, on fp32 operands), under the interpreter
-rounding to bf16 as the GPU does (chunk_common.round_to_bf16).
-So no 64-row GEMM is masked down to 16 rows, and the tiles are small enough not to spill.
+(chunk_common.py gives the numeric range), writes its rows one 16 x 16 block at a time, each
+block a loop over K blocks of [16, BK] x [BK, 16] GEMMs on OPERAND operands (bf16 for
+half-precision inputs): blocks before the tile (both factors exp(G_r - G_n) and exp(G_n - G_j)
+are <= 1 there), then the tile itself (the column factor up to exp(75), inside bf16's exponent
+range); blocks after the tile are zero and cost no GEMM. Rounding the factored operands costs
+2^-9 of each term: over bf16 inputs, with every GEMM of the op on bf16 operands but
+tile_products_bwd_kernel's, the output's error is at most 3.8e-3 relative RMS against float64
+(bound 5e-3; 1.7e-3, its own rounding to bf16, on fp32 operands), under the interpreter
+rounding to bf16 as the GPU does (chunk_common.round_to_bf16). So no GEMM is masked down to 16
+rows, and the tiles are small (118 registers a thread at 8 warps on sm_90, two programs an SM;
+bench/kda_compile.py).
 """
 
 import triton
@@ -34,54 +36,47 @@ def tile_products_kernel(
     b, h = bh // H, bh % H
     t0 = chunk * C
     Tp = tl.num_programs(0) * C
-    cols = tl.arange(0, C)
     ref = tile * SUBTILE
-    rows = ref + tl.arange(0, SUBTILE)
-    before = cols < ref
-    A = tl.zeros((SUBTILE, C), dtype=tl.float32)
-    P = tl.zeros((SUBTILE, C), dtype=tl.float32)
-    A_tile = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
-    P_tile = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK):
-        cols_k = k0 + tl.arange(0, BK)
-        k_ok = cols_k < K
-        row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-        row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
-        q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
-        k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
-        G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
-                      mask=k_ok[None, :], other=0.0)
-        G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok, other=0.0)
-        # Columns from the tile on load G = G_ref and k = 0: a factor of 1 times 0.
-        col_mask = before[:, None] & k_ok[None, :]
-        G_c = tl.load(G + ((b * Tp + t0 + cols) * H + h)[:, None] * K + cols_k[None, :],
-                      mask=col_mask, other=0.0)
-        G_c = tl.where(before[:, None], G_c, G_ref[None, :])
-        k_c = tl.load(k + ((b * T + t0 + cols) * H + h)[:, None] * K + cols_k[None, :],
-                      mask=col_mask & (t0 + cols < T)[:, None], other=0.0).to(tl.float32)
-        row_factor = tl.exp(G_r - G_ref[None, :])
-        q_decayed, k_decayed = q_r * row_factor, k_r * row_factor
-        k_before = tl.trans(k_c * tl.exp(G_ref[None, :] - G_c))
-        A += mma(q_decayed, k_before, OPERAND)
-        P += mma(k_decayed, k_before, OPERAND)
-        k_tile = tl.trans(k_r * tl.exp(G_ref[None, :] - G_r))
-        A_tile += mma(q_decayed, k_tile, OPERAND)
-        P_tile += mma(k_decayed, k_tile, OPERAND)
-    d_rows, _, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    d_cols, _, _ = chunk_documents(doc, b, t0, cols, T, C, HAS_DOCS)
-    same_doc = d_rows[:, None] == d_cols[None, :]
-    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C
-    # The strip holds zeros from the tile on; the tile's own columns come from the tile GEMMs.
-    outside = (cols[None, :] < ref) | (cols[None, :] >= ref + SUBTILE)
-    tl.store(A_qk + base + cols[None, :], tl.where(same_doc, A, 0.0), mask=outside)
-    tl.store(KK + base + cols[None, :], tl.where(same_doc, P, 0.0), mask=outside)
     tile_cols = tl.arange(0, SUBTILE)
-    d_tile, _, _ = chunk_documents(doc, b, t0, ref + tile_cols, T, C, HAS_DOCS)
-    same_tile_doc = d_rows[:, None] == d_tile[None, :]
-    lower = tile_cols[:, None] >= tile_cols[None, :]
-    strict = tile_cols[:, None] > tile_cols[None, :]
-    tl.store(A_qk + base + ref + tile_cols[None, :], tl.where(lower & same_tile_doc, A_tile, 0.0))
-    tl.store(KK + base + ref + tile_cols[None, :], tl.where(strict & same_tile_doc, P_tile, 0.0))
+    rows = ref + tile_cols
+    d_rows, _, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C
+    # One 16 x 16 block of each matrix at a time: blocks before the tile, then the tile itself;
+    # the blocks after it are zero.
+    for j in tl.static_range(C // SUBTILE):
+        block = j * SUBTILE + tile_cols
+        A = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
+        P = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
+        if j <= tile:
+            for k0 in tl.range(0, K, BK):
+                cols_k = k0 + tl.arange(0, BK)
+                k_ok = cols_k < K
+                row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+                row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+                q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+                k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+                G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
+                              mask=k_ok[None, :], other=0.0)
+                G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok,
+                                other=0.0)
+                row_factor = tl.exp(G_r - G_ref[None, :])
+                if j < tile:
+                    block_offs = ((b * T + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
+                    k_j = tl.load(k + block_offs, mask=(t0 + block < T)[:, None] & k_ok[None, :],
+                                  other=0.0).to(tl.float32)
+                    G_j = tl.load(G + ((b * Tp + t0 + block) * H + h)[:, None] * K
+                                  + cols_k[None, :], mask=k_ok[None, :], other=0.0)
+                    k_col = tl.trans(k_j * tl.exp(G_ref[None, :] - G_j))
+                else:
+                    k_col = tl.trans(k_r * tl.exp(G_ref[None, :] - G_r))
+                A += mma(q_r * row_factor, k_col, OPERAND)
+                P += mma(k_r * row_factor, k_col, OPERAND)
+        d_block, _, _ = chunk_documents(doc, b, t0, block, T, C, HAS_DOCS)
+        same_doc = d_rows[:, None] == d_block[None, :]
+        tl.store(A_qk + base + block[None, :],
+                 tl.where(same_doc & (block[None, :] <= rows[:, None]), A, 0.0))
+        tl.store(KK + base + block[None, :],
+                 tl.where(same_doc & (block[None, :] < rows[:, None]), P, 0.0))
 
 
 @triton.jit
@@ -96,10 +91,12 @@ def tile_products_bwd_kernel(
     a column's k (its column): one program per (chunk, 16-row tile and K block, batch*head)
     takes its tile's rows against the columns before the tile (referenced at the tile's first
     row n), its tile's columns against the rows after it (referenced at the first row m after
-    the tile) and the tile against itself (at n), each GEMM on fp32 operands (PRECISION: tf32
-    for bf16 inputs). bf16 operands would fit the first two (factors <= 1), but the row and
-    column terms of dG cancel in sum (the products depend on differences of G only), and their
-    rounding then piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.3e-4 to
+    the tile) and the tile against itself (at n), one 16-row block of the chunk at a time (16 x
+    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 167 registers a thread at 4 warps, 3
+    programs an SM on sm_90), each GEMM on fp32 operands (PRECISION: tf32 for bf16 inputs).
+    bf16 operands would fit the first two (factors <= 1), but the row and column terms of dG
+    cancel in sum (the products depend on differences of G only), and their rounding then
+    piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.3e-4 to
     2.5e-2 relative RMS, over its 2e-2 bound (interpreter, rounding to bf16 as the GPU does,
     packed documents and the fused gate). With the state terms (state_scan.py's
     state_terms_bwd_kernel) and M^T dW:
@@ -122,12 +119,11 @@ def tile_products_bwd_kernel(
     after = ref + SUBTILE
     tile_cols = tl.arange(0, SUBTILE)
     rows = ref + tile_cols
-    cols = tl.arange(0, C)
     cols_k = k_block * BK + tl.arange(0, BK)
     k_ok = cols_k < K
 
-    # The tile's rows, the whole chunk, and G at n, at m (the last row for the last tile: no row
-    # follows it, and its exponents stay <= 0) and at the chunk's end.
+    # The tile's rows, and G at n, at m (the last row for the last tile: no row follows it, and
+    # its exponents stay <= 0) and at the chunk's end.
     row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
     row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
     q_s = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
@@ -138,53 +134,62 @@ def tile_products_bwd_kernel(
     G_n = tl.load(G_row + ref * H * K, mask=k_ok, other=0.0)
     G_m = tl.load(G_row + tl.minimum(after, C - 1) * H * K, mask=k_ok, other=0.0)
     G_end = tl.load(G_row + (C - 1) * H * K, mask=k_ok, other=0.0)
-    all_offs = ((b * T + t0 + cols) * H + h)[:, None] * K + cols_k[None, :]
-    all_mask = (t0 + cols < T)[:, None] & k_ok[None, :]
-    k_all = tl.load(k + all_offs, mask=all_mask, other=0.0).to(tl.float32)
-    q_all = tl.load(q + all_offs, mask=all_mask, other=0.0).to(tl.float32) * scale
-    pad_all = ((b * Tp + t0 + cols) * H + h)[:, None] * K + cols_k[None, :]
-    G_all = tl.load(G + pad_all, mask=k_ok[None, :], other=0.0)
-    before_rows = (cols < ref)[:, None]
-    after_rows = (cols >= after)[:, None]
-    # Exponents outside each strip are zeroed before the exp: they would overflow.
-    k_before = tl.where(before_rows, k_all * tl.exp(tl.where(before_rows, G_n[None, :] - G_all,
-                                                             0.0)), 0.0)
-    decay_after = tl.exp(tl.where(after_rows, G_all - G_m[None, :], 0.0))
-    q_after = tl.where(after_rows, q_all * decay_after, 0.0)
-    k_after = tl.where(after_rows, k_all * decay_after, 0.0)
 
-    # dA and dKK: the tile's rows left of it, its columns below it, the tile (strict), diagonal.
+    # The tile against itself (dA's strict part, its diagonal apart), at n.
     cc_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * C
-    left = (cols < ref)[None, :]
-    dA_rows = tl.load(dA + cc_rows + cols[None, :], mask=left, other=0.0)
-    dP_rows = tl.load(dP + cc_rows + cols[None, :], mask=left, other=0.0)
-    cc_cols = ((b * Tp + t0 + cols) * H + h)[:, None] * C + rows[None, :]
-    dA_cols = tl.load(dA + cc_cols, mask=after_rows, other=0.0)
-    dP_cols = tl.load(dP + cc_cols, mask=after_rows, other=0.0)
     strict = tile_cols[:, None] > tile_cols[None, :]
     dA_tile = tl.load(dA + cc_rows + rows[None, :], mask=strict, other=0.0)
     dP_tile = tl.load(dP + cc_rows + rows[None, :], mask=strict, other=0.0)
     dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
-
     row_factor = tl.exp(G_s - G_n)  # <= 1
     col_factor = tl.exp(G_n - G_s)  # <= exp(75), chunk_common.py
     after_factor = tl.exp(G_m - G_s)  # <= 1
     k_tile = k_s * col_factor
-    dq_a = row_factor * (mma(dA_rows, k_before, PRECISION) + mma(dA_tile, k_tile, PRECISION))
-    dk_row = row_factor * (mma(dP_rows, k_before, PRECISION) + mma(dP_tile, k_tile, PRECISION))
-    dk_a = (after_factor * mma(tl.trans(dA_cols), q_after, PRECISION)
+    dq_a = mma(dA_tile, k_tile, PRECISION)
+    dk_row = mma(dP_tile, k_tile, PRECISION)
+    dk_a_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    dk_col_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    # M^T dW over the chunk's rows, M = Tinv Diag(beta) (Diag(beta) applied after the loop).
+    d_gk = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    # The other 16-row blocks j of the chunk, one at a time (16 x 16 blocks of dA, dKK, Tinv):
+    # blocks before the tile give its rows' terms (at n: exp(G_n - G_j) <= 1), blocks after it
+    # its columns' terms (at m: exp(G_j - G_m) <= 1).
+    for j in tl.static_range(C // SUBTILE):
+        block = j * SUBTILE + tile_cols
+        in_offs = ((b * T + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
+        in_mask = (t0 + block < T)[:, None] & k_ok[None, :]
+        pad_offs = ((b * Tp + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
+        cc_block = ((b * Tp + t0 + block) * H + h)[:, None] * C
+        d_gk += mma(tl.trans(tl.load(Tinv + cc_block + rows[None, :])),
+                    tl.load(d_w + pad_offs, mask=k_ok[None, :], other=0.0), PRECISION)
+        if j < tile:
+            G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+            k_j = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
+            k_before = k_j * tl.exp(G_n[None, :] - G_j)
+            dq_a += mma(tl.load(dA + cc_rows + block[None, :]), k_before, PRECISION)
+            dk_row += mma(tl.load(dP + cc_rows + block[None, :]), k_before, PRECISION)
+        if j > tile:
+            G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
+            decay_j = tl.exp(G_j - G_m[None, :])
+            q_j = tl.load(q + in_offs, mask=in_mask, other=0.0).to(tl.float32) * scale
+            k_j = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
+            dk_a_after += mma(tl.trans(tl.load(dA + cc_block + rows[None, :])), q_j * decay_j,
+                              PRECISION)
+            dk_col_after += mma(tl.trans(tl.load(dP + cc_block + rows[None, :])), k_j * decay_j,
+                                PRECISION)
+    dq_a *= row_factor
+    dk_row *= row_factor
+    dk_a = (after_factor * dk_a_after
             + col_factor * mma(tl.trans(dA_tile), q_s * row_factor, PRECISION))
-    dk_col = (after_factor * mma(tl.trans(dP_cols), k_after, PRECISION)
+    dk_col = (after_factor * dk_col_after
               + col_factor * mma(tl.trans(dP_tile), k_s * row_factor, PRECISION))
 
-    # The state terms and M^T dW, M = Tinv Diag(beta).
+    # The state terms.
     d_qg_s = tl.load(d_qg + pad_rows, mask=k_ok[None, :], other=0.0)
     d_kd_s = tl.load(d_kd + pad_rows, mask=k_ok[None, :], other=0.0)
-    d_w_all = tl.load(d_w + pad_all, mask=k_ok[None, :], other=0.0)
-    inv_cols = tl.load(Tinv + cc_cols)
     beta_s = tl.load(beta + (b * T + t0 + rows) * H + h, mask=t0 + rows < T,
                      other=0.0).to(tl.float32)
-    d_gk = beta_s[:, None] * mma(tl.trans(inv_cols), d_w_all, PRECISION)
+    d_gk = beta_s[:, None] * d_gk
     d, _, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
     decay = tl.exp(G_s)
     to_end = tl.where((d == d_last)[:, None], tl.exp(G_end[None, :] - G_s), 0.0)
