@@ -2,7 +2,7 @@
 by hand.
 
 The hand count is the op's memory contract: the backward peaks while the state terms are
-computed, with the five fp32 [T, H, K] buffers (G, K_d and three gradients), the three
+computed, with the four fp32 [T, H, K] buffers (G and three gradients), the three
 [T, H, 64] chunk matrices the forward kept (A_qk, KK, Tinv), the states and their gradients, Ṽ
 and dṼ live, besides what bench/kda.py holds (inputs, dO, the output, the inputs' .grad). A
 buffer added to that peak, or one freed later than it was, fails this test."""

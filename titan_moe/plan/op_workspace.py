@@ -4,8 +4,8 @@ kernel runs.
 
 The memory plan needs this for the KDA op, whose backward recomputes the forward's states and
 W, U (and over segments its chunk matrices, which a one-segment forward keeps) and holds them
-in fp32 with the gradients' fp32 buffers: about 4 kB
-a token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
+in fp32 (W and K_d as the scans' bf16 operands) with the gradients' fp32 buffers: 5.3 kB a
+token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
 largest saved tensor is 2 bytes a channel.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
 """

@@ -12,8 +12,8 @@ registered on the forward op. The forward keeps its inputs and, when a backward 
 a sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
 the backward then skips tile_products and the UT transform's 64x64 inverse, as fla's keeps its
 A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so memory stays
-linear in T. Those recomputed fp32 buffers and the gradients' take about 4 kB a token and head
-at K = V = 128 (6.3 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT tokens
+linear in T. Those recomputed buffers and the gradients' take 5.3 kB a token and head at
+K = V = 128 (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT tokens
 runs by segments, the state passed from one to the next: forward in order, backward last
 segment first, each from the state entering it (one more forward pass over the segments finds
 those states first). Both then hold one segment's buffers at any length, for that extra pass at
@@ -105,11 +105,14 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_tinv, matr
     padded = n_chunks * CHUNK
     _, block_v, block = _blocks(d_k, d_v)
     f32 = dict(device=q.device, dtype=torch.float32)
+    operand = _operand(q)
     G = torch.empty(batch, padded, heads, d_k, **f32)
-    W = torch.empty(batch, padded, heads, d_k, **f32)
+    # W and K_d feed only the scans' GEMMs (gate_cumsum_bwd_kernel recomputes K_d), so they are
+    # stored as those GEMMs' operands: bf16 halves the scans' loads and changes no value.
+    scan_dtype = torch.bfloat16 if operand.startswith("bf16") else torch.float32
+    W = torch.empty(batch, padded, heads, d_k, device=q.device, dtype=scan_dtype)
     K_d = torch.empty_like(W)
     U = torch.empty(batch, padded, heads, d_v, **f32)
-    operand = _operand(q)
     wrap_triton(gate_cumsum_kernel)[(n_chunks, triton.cdiv(d_k, block), batch * heads)](
         g, A_log, dt_bias, G, g_min, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, FUSED_GATE=A_log is not None,
@@ -268,10 +271,10 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         OPERAND=_operand(q), INTERPRETED=triton.knobs.runtime.interpret,
         num_warps=NUM_WARPS["state_scan_bwd_kernel"],
     )  # fmt: skip
-    del W
+    del W, K_d
 
     f32 = dict(device=q.device, dtype=torch.float32)
-    d_qg, d_w, d_kd = (torch.empty_like(K_d) for _ in range(3))
+    d_qg, d_w, d_kd = (torch.empty_like(G) for _ in range(3))
     d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
     n_k_blocks = triton.cdiv(d_k, block)
     wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
@@ -290,7 +293,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     )  # fmt: skip
     del KK, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
-    dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(K_d)
+    dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
     wrap_triton(tile_products_bwd_kernel)[(n_chunks, CHUNK // SUBTILE * n_k_blocks,
                                           batch * heads)](
         q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
@@ -300,7 +303,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     del dA, dP, Tinv, d_qg, d_w
     dg = torch.empty(g.shape, **f32)
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
-        g, A_log, dt_bias, G, K_d, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
+        g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
         FUSED_GATE=A_log is not None, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
     )  # fmt: skip

@@ -41,7 +41,7 @@ def gate_cumsum_kernel(
 
 @triton.jit
 def gate_cumsum_bwd_kernel(
-    g, A_log, dt_bias, G, K_d, d_kd, d_gamma, dG, doc, dg, g_min, T,
+    g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, T,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     HAS_DOCS: tl.constexpr, FUSED_GATE: tl.constexpr,
 ):  # fmt: skip
@@ -49,7 +49,8 @@ def gate_cumsum_bwd_kernel(
 
     gamma_C = exp(G_C) reaches G's last row twice: through K_d = (gamma_C / Gamma) K, as
     sum_r K_d dK_d, and as the state's carry (when the chunk's last document continues from
-    the previous chunk), as gamma_C sum_v S dS = gamma_C d_gamma.
+    the previous chunk), as gamma_C sum_v S dS = gamma_C d_gamma. K_d is recomputed here in
+    fp32 from k and G: the UT transform stores it as the scans' bf16 operand.
     """
     g_min = tl.cast(g_min, tl.float32)
     chunk, k_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -62,18 +63,20 @@ def gate_cumsum_bwd_kernel(
     k_ok = cols_k < K
     pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
     dG_c = tl.load(dG + pad_offs, mask=k_ok[None, :], other=0.0)
-    k_d = tl.load(K_d + pad_offs, mask=k_ok[None, :], other=0.0)
     d_kd_c = tl.load(d_kd + pad_offs, mask=k_ok[None, :], other=0.0)
+    G_c = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
     G_end = tl.load(G + ((b * Tp + t0 + C - 1) * H + h) * K + cols_k, mask=k_ok, other=0.0)
     d_gamma_c = tl.load(d_gamma + ((b * n_chunks + chunk) * H + h) * K + cols_k, mask=k_ok,
                         other=0.0)
-    _, d_before, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    d, d_before, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
+    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    in_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+    k_c = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
+    k_d = tl.where((d == d_last)[:, None], k_c * tl.exp(G_end[None, :] - G_c), 0.0)
     dG_end = tl.sum(k_d * d_kd_c, axis=0) + tl.where(d_last == d_before,
                                                       tl.exp(G_end) * d_gamma_c, 0.0)
     dG_c += tl.where(rows[:, None] == C - 1, dG_end[None, :], 0.0)
     dg_c = tl.cumsum(dG_c, axis=0, reverse=True)
-    in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    in_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
     if FUSED_GATE:
         A_log_h = tl.load(A_log + h).to(tl.float32)
         g_raw = tl.load(g + in_offs, mask=in_mask, other=0.0).to(tl.float32)

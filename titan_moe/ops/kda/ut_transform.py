@@ -59,8 +59,9 @@ def ut_transform_kernel(
     C: tl.constexpr, HAS_DOCS: tl.constexpr, STORE_TINV: tl.constexpr, TINV_GIVEN: tl.constexpr,
     OPERAND: tl.constexpr,
 ):  # fmt: skip
-    """W, K_d [B,Tp,H,K], U [B,Tp,H,V] fp32 (+ Tinv [B,Tp,H,C] for the backward). With
-    TINV_GIVEN the forward's Tinv is read instead (the backward: no inverse, nor KK read)."""
+    """W, K_d [B,Tp,H,K] in the scans' operand dtype, U [B,Tp,H,V] fp32 (+ Tinv [B,Tp,H,C] for
+    the backward). With TINV_GIVEN the forward's Tinv is read instead (the backward: no
+    inverse, nor KK read)."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     t0 = chunk * C
@@ -87,10 +88,11 @@ def ut_transform_kernel(
         k_ok = cols_k < K
         k_c, G_c, k_gamma = gamma_keys(k, G, b, h, t0, T, Tp, rows, cols_k, H, K)
         out_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-        tl.store(W + out_offs, mma(M, k_gamma, OPERAND), mask=k_ok[None, :])
+        tl.store(W + out_offs, rounded_to(mma(M, k_gamma, OPERAND), W.dtype.element_ty),
+                 mask=k_ok[None, :])
         G_end = tl.load(G + ((b * Tp + t0 + C - 1) * H + h) * K + cols_k, mask=k_ok, other=0.0)
-        tl.store(K_d + out_offs, tl.where(last_doc[:, None], k_c * tl.exp(G_end[None, :] - G_c),
-                                          0.0), mask=k_ok[None, :])
+        k_d = tl.where(last_doc[:, None], k_c * tl.exp(G_end[None, :] - G_c), 0.0)
+        tl.store(K_d + out_offs, rounded_to(k_d, K_d.dtype.element_ty), mask=k_ok[None, :])
     for v0 in tl.range(0, V, BV):
         cols_v = v0 + tl.arange(0, BV)
         v_ok = cols_v < V
