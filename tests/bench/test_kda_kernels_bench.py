@@ -3,6 +3,7 @@ process): it records the op's launches of one forward and backward, in the order
 docstring gives (the backward reuses the kept chunk matrices: no tile_products, no inverse), and
 times each at the given setting and at the op's own."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -10,8 +11,11 @@ import sys
 
 from tests.bench_scripts import BENCH
 
+chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
+
 LAUNCHES = [
-    "gate_cumsum_kernel#1", "tile_products_kernel#1", "ut_transform_kernel#1",
+    "gate_cumsum_kernel#1", "tile_products_kernel#1", "unit_lower_inverse_kernel#1",
+    "ut_transform_kernel#1",
     "state_scan_fwd_kernel#1", "chunk_output_kernel#1",
     "gate_cumsum_kernel#2", "ut_transform_kernel#2", "state_scan_fwd_kernel#2",
     "chunk_output_bwd_kernel#1", "state_scan_bwd_kernel#1", "state_terms_bwd_kernel#1",
@@ -29,8 +33,9 @@ def test_records_the_op_launches_and_times_each_setting(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["launch"] for r in rows] == LAUNCHES
     for r in rows:
-        # fp32 inputs on CPU: IEEE GEMMs, so no operand setting; the op's own warps are 4 or 8.
+        # fp32 inputs on CPU: IEEE GEMMs, so no operand setting; the op's own warps, 3 stages.
         assert list(r["ms"]) == ["- w2 s1", "- w4 s1"], r["ms"]
         assert all(isinstance(ms, float) and ms > 0 for ms in r["ms"].values())
-        assert r["own"] in ("- w4 s3", "- w8 s3") and r["own_ms"] > 0
+        kernel = r["launch"].split("#")[0]
+        assert r["own"] == f"- w{chunk_triton.NUM_WARPS[kernel]} s3" and r["own_ms"] > 0
         assert r["best_ms"] == min(r["ms"].values()) and r["ms"][r["best"]] == r["best_ms"]

@@ -115,7 +115,7 @@ def test_kda_kernels_write_only_their_outputs():
     # The backward's launches of the forward kernels (recomputation) overwrite their entries:
     # given the forward's chunk matrices, its UT transform reads Tinv and writes W, U, K_d.
     assert got == {"gate_cumsum_kernel": {"G_out"}, "tile_products_kernel": {"A_qk", "KK"},
-                   "ut_transform_kernel": {"W", "U", "K_d"},
+                   "unit_lower_inverse_kernel": {"Tinv"}, "ut_transform_kernel": {"W", "U", "K_d"},
                    "state_scan_fwd_kernel": {"h_states", "v_new"}, "chunk_output_kernel": {"o"},
                    "chunk_output_bwd_kernel": {"dh_states", "dv_new"},
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},

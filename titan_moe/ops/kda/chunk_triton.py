@@ -1,25 +1,26 @@
 """Chunked KDA as a user-defined Triton op that torch.compile traces (fullgraph, no break).
 
-    forward:  gate_cumsum -> tile_products -> ut_transform -> state_scan_fwd -> chunk_output
+    forward:  gate_cumsum -> tile_products -> unit_lower_inverse -> ut_transform
+              -> state_scan_fwd -> chunk_output
     backward: gate_cumsum -> ut_transform from the kept Tinv (by segments: tile_products and
-              the whole UT transform again) -> state_scan_fwd -> chunk_output_bwd
+              unit_lower_inverse again) -> state_scan_fwd -> chunk_output_bwd
               -> state_scan_bwd -> state_terms_bwd -> ut_transform_bwd -> tile_products_bwd
               -> gate_cumsum_bwd
 
 `titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
 Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
-registered on the forward op. The forward keeps its inputs and, when a backward will run on
-a sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
-the backward then skips tile_products and the UT transform's 64x64 inverse, as fla's keeps its
-A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so memory stays
-linear in T. Those recomputed buffers and the gradients' take 5.3 kB a token and head at
-K = V = 128 (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT tokens
-runs by segments, the state passed from one to the next: forward in order, backward last
+registered on the forward op. The forward keeps its inputs and, when a backward will run on a
+sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
+the backward then skips tile_products and the 64x64 inverse (unit_lower_inverse.py), as fla's
+keeps its A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so
+memory stays linear in T. Those recomputed buffers and the gradients' take 5.3 kB a token and
+head at K = V = 128 (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT
+tokens runs by segments, the state passed from one to the next: forward in order, backward last
 segment first, each from the state entering it (one more forward pass over the segments finds
 those states first). Both then hold one segment's buffers at any length, for that extra pass at
-long context. With `A_log`/`dt_bias`
-the kernels compute the lower-bounded gate g = g_min sigmoid(exp(A_log) (g_raw + dt_bias))
-themselves, and its chunk-local cumsum, and return the gradient of g_raw.
+long context. With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
+g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) themselves, and its chunk-local cumsum, and
+return the gradient of g_raw.
 
 Inductor cannot compile user Triton kernels for CPU tensors, so callers pick this op for CUDA
 tensors only (`titan_moe.ops.kda.chunk_kda` branches on the device); tests call it on CPU
@@ -42,6 +43,7 @@ from titan_moe.ops.kda.state_scan import (
     state_terms_bwd_kernel,
 )
 from titan_moe.ops.kda.tile_products import tile_products_bwd_kernel, tile_products_kernel
+from titan_moe.ops.kda.unit_lower_inverse import unit_lower_inverse_kernel
 from titan_moe.ops.kda.ut_transform import ut_transform_bwd_kernel, ut_transform_kernel
 
 # V blocks of the scans (the sequential part runs one program per V block and head: 32 gives
@@ -61,6 +63,7 @@ GEMMS = "bf16"
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
     "tile_products_kernel": 8,
+    "unit_lower_inverse_kernel": 1,
     "ut_transform_kernel": 8,
     "state_scan_fwd_kernel": 8,
     "chunk_output_kernel": 8,
@@ -96,9 +99,9 @@ def _blocks(d_k: int, d_v: int) -> tuple[int, int, int]:
     return block_k, block_v, min(block_k, BLOCK_INTRA)
 
 
-def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_tinv, matrices=None):
-    """G, A_qk, KK, Tinv (with store_tinv, else None), W, U, K_d of every chunk. `matrices`,
-    the forward's (A_qk, KK, Tinv), skip tile_products and the UT transform's inverse."""
+def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
+    """G, A_qk, KK, Tinv, W, U, K_d of every chunk. `matrices`, the forward's (A_qk, KK, Tinv),
+    skip tile_products and the inverse."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -120,20 +123,22 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, store_tinv, matr
     )  # fmt: skip
     if matrices is None:
         A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
-        KK = torch.empty_like(A_qk)
-        Tinv = torch.empty_like(A_qk) if store_tinv else None
+        KK, Tinv = torch.empty_like(A_qk), torch.empty_like(A_qk)
         wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
             q, k, G, doc, A_qk, KK, scale, seq_len,
             H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
             OPERAND=operand,
             num_warps=NUM_WARPS["tile_products_kernel"],
         )  # fmt: skip
+        wrap_triton(unit_lower_inverse_kernel)[(n_chunks, batch * heads)](
+            KK, beta, Tinv, seq_len, H=heads, C=CHUNK, SUBTILE=SUBTILE, PRECISION=_precise(q),
+            num_warps=NUM_WARPS["unit_lower_inverse_kernel"],
+        )  # fmt: skip
     else:
         A_qk, KK, Tinv = matrices
     wrap_triton(ut_transform_kernel)[(n_chunks, batch * heads)](
-        k, v, G, beta, doc, KK, Tinv, W, U, K_d, seq_len,
+        k, v, G, beta, doc, Tinv, W, U, K_d, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        STORE_TINV=store_tinv and matrices is None, TINV_GIVEN=matrices is not None,
         OPERAND=operand, num_warps=NUM_WARPS["ut_transform_kernel"],
     )  # fmt: skip
     return G, A_qk, KK, Tinv, W, U, K_d
@@ -163,8 +168,9 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
     """One segment's forward: (o, final state or None, (A_qk, KK, Tinv) or None)."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
-    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
-                                          keep_matrices)
+    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min)
+    matrices = (A_qk, KK, Tinv) if keep_matrices else None
+    del KK, Tinv  # not held through the scan unless kept
     h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
                                    seq_len, _operand(q))
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
@@ -175,12 +181,12 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_kernel"],
     )  # fmt: skip
-    return o, final, (A_qk, KK, Tinv) if keep_matrices else None
+    return o, final, matrices
 
 
 def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
     """The state after one segment, by the forward's first four kernels (no output)."""
-    G, _, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, False)
+    G, _, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min)
     return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _operand(q))[2]
 
 
@@ -249,7 +255,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     n_chunks = triton.cdiv(seq_len, CHUNK)
     block_k, block_v, block = _blocks(d_k, d_v)
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
-                                          True, matrices)
+                                          matrices)
     h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len,
                                _operand(q))
     # Each buffer is let go after the last kernel that reads it, so an eager backward holds only

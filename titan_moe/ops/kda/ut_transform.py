@@ -1,42 +1,18 @@
-"""The UT transform of one chunk, in Triton: Tinv, W, U and the keys decayed to its end (§3).
+"""The UT transform of one chunk, in Triton: W, U and the keys decayed to its end (§3).
 
-    Tinv = (I + Diag(beta) KK)^{-1},   M = Tinv Diag(beta),   W = M (Gamma * K),   U = M V
+    M = Tinv Diag(beta),   W = M (Gamma * K),   U = M V
     K_d = (gamma_C / Gamma) * K on the rows of the chunk's last document, 0 on the others
-One program per (chunk, batch*head), from KK and G (tile_products.py, gate_cumsum.py). K_d is
-what the state scans multiply by (state_scan.py), written here so the sequential scans load it
-instead of computing it. The
-inverse runs on fp32 operands (tf32 for half-precision inputs); W and U are GEMMs on OPERAND
-operands. Numeric range: |KK| <= 1 (unit-norm k, decays <= 1) and beta in (0, 1), so the
-unit-lower inverse's entries stay below 2^63 (the bound of C = 64 forward substitution with
-|L| <= 1), inside bf16's exponent range; Gamma and gamma_C / Gamma are <= 1.
+One program per (chunk, batch*head), from Tinv and G (unit_lower_inverse.py, gate_cumsum.py).
+K_d is what the state scans multiply by (state_scan.py), written here so the sequential scans
+load it instead of computing it. W and U are GEMMs on OPERAND operands. Numeric range: Tinv's
+entries stay below 2^63 (unit_lower_inverse.py), inside bf16's exponent range; Gamma and
+gamma_C / Gamma are <= 1.
 """
 
 import triton
 import triton.language as tl
 
 from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
-
-
-@triton.jit
-def unit_lower_inverse(L, rows, C: tl.constexpr, PRECISION: tl.constexpr):
-    """(I + L)^{-1} for strictly lower L [C, C], by blocked forward substitution.
-
-    Blocks double 1, 2, ..., C/2: with the diagonal blocks of size s inverted (inv),
-    [[A, 0], [E, D]]^{-1} = inv - inv E inv, E being L's couplings between the halves of each
-    2s-block. Unlike the Neumann product, no growing powers of L cancel, so fp32 keeps its digits.
-    """
-    tl.static_assert(C == 64)
-    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    block = 1
-    for _ in tl.static_range(6):
-        same_pair = (rows[:, None] // (2 * block)) == (rows[None, :] // (2 * block))
-        upper_row = ((rows[:, None] // block) % 2) == 1
-        lower_col = ((rows[None, :] // block) % 2) == 0
-        coupling = tl.where(same_pair & upper_row & lower_col, L, 0.0)
-        inv = inv - tl.dot(tl.dot(inv, coupling, input_precision=PRECISION), inv,
-                           input_precision=PRECISION)
-        block *= 2
-    return inv
 
 
 @triton.jit
@@ -54,14 +30,11 @@ def gamma_keys(k, G, b, h, t0, T, Tp, rows, cols_k, H: tl.constexpr, K: tl.const
 
 @triton.jit
 def ut_transform_kernel(
-    k, v, G, beta, doc, KK, Tinv, W, U, K_d, T,
+    k, v, G, beta, doc, Tinv, W, U, K_d, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, HAS_DOCS: tl.constexpr, STORE_TINV: tl.constexpr, TINV_GIVEN: tl.constexpr,
-    OPERAND: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr,
 ):  # fmt: skip
-    """W, K_d [B,Tp,H,K] in the scans' operand dtype, U [B,Tp,H,V] fp32 (+ Tinv [B,Tp,H,C] for
-    the backward). With TINV_GIVEN the forward's Tinv is read instead (the backward: no
-    inverse, nor KK read)."""
+    """W, K_d [B,Tp,H,K] in the scans' operand dtype, U [B,Tp,H,V] fp32."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     t0 = chunk * C
@@ -70,17 +43,7 @@ def ut_transform_kernel(
     valid = t0 + rows < T
     beta_c = tl.load(beta + (b * T + t0 + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
     cc_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * C + rows[None, :]
-    if TINV_GIVEN:
-        inv = tl.load(Tinv + cc_offs)
-    else:
-        L = beta_c[:, None] * tl.load(KK + cc_offs)
-        if OPERAND == "ieee":
-            inv = unit_lower_inverse(L, rows, C, "ieee")
-        else:
-            inv = unit_lower_inverse(L, rows, C, "tf32")
-        if STORE_TINV:
-            tl.store(Tinv + cc_offs, inv)
-    M = inv * beta_c[None, :]
+    M = tl.load(Tinv + cc_offs) * beta_c[None, :]
     d, _, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
     last_doc = d == d_last
     for k0 in tl.range(0, K, BK):
