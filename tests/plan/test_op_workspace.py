@@ -27,11 +27,11 @@ def state_terms_buffers(t: int, k: int, kept_matrices: bool = False) -> int:
     """What the KDA backward allocates itself and holds while it computes the state terms, its
     peak (H 1, K = V = k, t tokens in chunks of 64): four fp32 [T, H, K] buffers (G and the
     gradients of Q_g, W and K_d; W and K_d themselves are let go after the reverse scan), KK
-    and Tinv ([T, H, 64]) unless the forward kept them, the states and their gradients, Ṽ and
-    dṼ, d_gamma."""
+    and Tinv ([T, H, 64]) unless the forward kept them, the states and their gradients, Ṽ (bf16,
+    a GEMM operand only) and dṼ, d_gamma."""
     chunks = t // 64
     matrices = 0 if kept_matrices else 2 * t * 64 * 4
-    return (4 * t * k * 4 + matrices + 2 * chunks * k * k * 4 + 2 * t * k * 4
+    return (4 * t * k * 4 + matrices + 2 * chunks * k * k * 4 + t * k * 2 + t * k * 4
             + chunks * k * 4)
 
 
@@ -41,7 +41,7 @@ def test_kda_op_backward_workspace_by_hand():
     want = t * k * 2 + state_terms_buffers(t, k, kept_matrices=True)  # and dO, bf16
     assert kda_backward_workspace(1, t, 1, k, k) == want
     assert kda_backward_workspace(1, t, 1, k, k, fused_gate=False) == want
-    # Linear in tokens, heads and rows (whole chunks): 5,384 B a token and head, 256 of them dO.
+    # Linear in tokens, heads and rows (whole chunks): 5,128 B a token and head, 256 of them dO.
     assert kda_backward_workspace(2, 4 * t, 3, k, k) == 2 * 4 * 3 * want
 
 

@@ -28,7 +28,7 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
       layer bwd  a layer's transient is the larger of 2 × its largest saved tensor (an op's
                  output and input gradients) and the KDA op's backward workspace (dO, the
-                 gradients, and its fp32 buffers, 5.3 kB a token and head at K = V = 128
+                 gradients, and its fp32 buffers, 5.1 kB a token and head at K = V = 128
                  over one 64K segment: op_workspace.py). Without AC, the largest transient;
                  with AC, the largest over layers of its recompute's saves + its transient,
                  + (B + 1) s (gradients of the residual sources) + the offloaded inputs brought

@@ -4,7 +4,7 @@ kernel runs.
 
 The memory plan needs this for the KDA op, whose backward recomputes the forward's states and
 W, U (and over segments its chunk matrices, which a one-segment forward keeps) and holds them
-in fp32 (W and K_d as the scans' bf16 operands) with the gradients' fp32 buffers: 5.3 kB a
+in fp32 (W, K_d and V~ as bf16 GEMM operands) with the gradients' fp32 buffers: 5.1 kB a
 token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
 largest saved tensor is 2 bytes a channel.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.

@@ -13,8 +13,8 @@ registered on the forward op. The forward keeps its inputs and, when a backward 
 sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
 the backward then skips tile_products and the 64x64 inverse (unit_lower_inverse.py), as fla's
 keeps its A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so
-memory stays linear in T. Those recomputed buffers and the gradients' take 5.3 kB a token and
-head at K = V = 128 (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT
+memory stays linear in T. Those recomputed buffers and the gradients' take 5.1 kB a token and
+head at K = V = 128 (5.0 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT
 tokens runs by segments, the state passed from one to the next: forward in order, backward last
 segment first, each from the state entering it (one more forward pass over the segments finds
 those states first). Both then hold one segment's buffers at any length, for that extra pass at
@@ -59,7 +59,7 @@ MAX_HEAD_DIM = 256
 # accumulation, tensor cores at full rate) or "tf32" (fp32 operands, half the rate, twice the
 # shared memory). Each kernel's module says what bf16 costs in accuracy.
 GEMMS = "bf16"
-# Warps a program, by kernel (bench/kda.py --num-warps times other choices).
+# Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
     "tile_products_kernel": 8,
@@ -77,8 +77,9 @@ NUM_WARPS = {
 
 
 def _precise(x: Tensor) -> str:
-    """The GEMMs that keep fp32 operands: tile_products_bwd_kernel's (its docstring says why).
-    float32 inputs get IEEE fp32 GEMMs (the 1e-4 test bound); half precision gets tf32."""
+    """The GEMMs that keep fp32 operands: the inverse's and tile_products_bwd_kernel's (their
+    docstrings say why). float32 inputs get IEEE fp32 GEMMs (the 1e-4 test bound); half
+    precision gets tf32."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
@@ -151,7 +152,8 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, operand
     block_k, block_v, _ = _blocks(d_k, d_v)
     f32 = dict(device=K_d.device, dtype=torch.float32)
     h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
-    v_new = torch.empty_like(U)
+    # V~ is read only as a GEMM operand (the output, the state terms, dA): stored as one.
+    v_new = torch.empty_like(U, dtype=W.dtype)
     final = torch.empty(batch, heads, d_k, d_v, **f32) if output_final_state else None
     wrap_triton(state_scan_fwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
         K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
@@ -185,7 +187,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
 
 
 def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
-    """The state after one segment, by the forward's first four kernels (no output)."""
+    """The state after one segment, by the forward's kernels up to the scan (no output)."""
     G, _, _, _, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min)
     return _scan(K_d, G, W, U, doc, initial_state, True, q.shape[1], _operand(q))[2]
 
@@ -262,7 +264,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     # the live ones at its peak (Inductor frees by last use on its own).
     del U
     dh_states = torch.empty_like(h_states)
-    dv_new = torch.empty_like(v_new)
+    dv_new = torch.empty_like(v_new, dtype=torch.float32)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     wrap_triton(chunk_output_bwd_kernel)[(n_chunks, triton.cdiv(d_v, block_v), batch * heads)](
         q, G, A_qk, doc, do, dh_states, dv_new, scale, seq_len,

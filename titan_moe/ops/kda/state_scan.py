@@ -28,7 +28,7 @@ from about 512K tokens at H 16, K = V = 128.
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.chunk_common import chunk_documents, mma
+from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
 
 # SCAN_LOOPS: compiled, the scans walk the chunks in a `for` loop, which Triton's pipeliner
 # turns into prefetches: chunk c + 1's operands load while chunk c's GEMMs run (a `while` loop
@@ -69,7 +69,7 @@ def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chun
     state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
     tl.store(h_states + state_base + state_offs, S, mask=state_ok)
     v_c = U_c - mma(W_c, S, OPERAND)
-    tl.store(v_new + v_offs, v_c, mask=v_ok[None, :])
+    tl.store(v_new + v_offs, rounded_to(v_c, v_new.dtype.element_ty), mask=v_ok[None, :])
     return carry[:, None] * S + mma(tl.trans(k_d), v_c, OPERAND)
 
 
