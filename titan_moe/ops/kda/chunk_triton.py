@@ -77,9 +77,9 @@ NUM_WARPS = {
 
 
 def _precise(x: Tensor) -> str:
-    """The GEMMs that keep fp32 operands: the inverse's and tile_products_bwd_kernel's (their
-    docstrings say why). float32 inputs get IEEE fp32 GEMMs (the 1e-4 test bound); half
-    precision gets tf32."""
+    """The GEMMs that keep fp32 operands: the inverse's, the output's and its backward's, and
+    tile_products_bwd_kernel's (their modules say why). float32 inputs get IEEE fp32 GEMMs (the
+    1e-4 test bound); half precision gets tf32."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
@@ -152,7 +152,8 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, operand
     block_k, block_v, _ = _blocks(d_k, d_v)
     f32 = dict(device=K_d.device, dtype=torch.float32)
     h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
-    # V~ is read only as a GEMM operand (the output, the state terms, dA): stored as one.
+    # V~ is read only as a GEMM operand (the output, the state terms, dA): stored in the scans'
+    # operand dtype.
     v_new = torch.empty_like(U, dtype=W.dtype)
     final = torch.empty(batch, heads, d_k, d_v, **f32) if output_final_state else None
     wrap_triton(state_scan_fwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
@@ -181,7 +182,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
     wrap_triton(chunk_output_kernel)[grid](
         q, G, A_qk, h_states, v_new, doc, o, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_kernel"],
+        OPERAND=_precise(q), num_warps=NUM_WARPS["chunk_output_kernel"],
     )  # fmt: skip
     return o, final, matrices
 
@@ -269,7 +270,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(chunk_output_bwd_kernel)[(n_chunks, triton.cdiv(d_v, block_v), batch * heads)](
         q, G, A_qk, doc, do, dh_states, dv_new, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_bwd_kernel"],
+        OPERAND=_precise(q), num_warps=NUM_WARPS["chunk_output_bwd_kernel"],
     )  # fmt: skip
     del A_qk
     wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
