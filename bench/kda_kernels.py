@@ -94,6 +94,8 @@ def timed_launch(launch: dict, setting: dict, device: str, iters: int) -> float 
     """Median ms of the launch under `setting`, or why it could not run."""
     kwargs = dict(launch["kwargs"], num_warps=setting["num_warps"],
                   num_stages=setting["num_stages"])
+    if "STAGES" in kwargs:  # the scans' chunk loops take their depth as a constexpr
+        kwargs["STAGES"] = setting["num_stages"]
     if setting["operand"] == "tf32":
         kwargs["OPERAND"] = "tf32"
     elif setting["operand"] == "bf16":
@@ -106,11 +108,13 @@ def timed_launch(launch: dict, setting: dict, device: str, iters: int) -> float 
 
 
 def own_setting(launch: dict) -> dict:
-    """The op's own launch: its warps, Triton's default 3 stages, its operands."""
+    """The op's own launch: its warps, its scan depth or Triton's default 3 stages, its
+    operands."""
     operand = "-"
     if has_operand(launch):
         operand = "tf32" if launch["kwargs"]["OPERAND"] == "tf32" else "bf16"
-    return {"num_warps": launch["kwargs"]["num_warps"], "num_stages": 3, "operand": operand}
+    return {"num_warps": launch["kwargs"]["num_warps"],
+            "num_stages": launch["kwargs"].get("STAGES", 3), "operand": operand}
 
 
 def label(setting: dict) -> str:

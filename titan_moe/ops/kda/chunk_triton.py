@@ -59,6 +59,8 @@ MAX_HEAD_DIM = 256
 # accumulation, tensor cores at full rate) or "tf32" (fp32 operands, half the rate, twice the
 # shared memory). Each kernel's module says what bf16 costs in accuracy.
 GEMMS = "bf16"
+# Pipeline stages of the scans' chunk loops (bench/kda_kernels.py times other depths).
+SCAN_STAGES = 2
 # Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
@@ -160,7 +162,7 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, operand
         K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_INITIAL=initial_state is not None, STORE_FINAL=output_final_state,
-        OPERAND=operand, INTERPRETED=triton.knobs.runtime.interpret,
+        OPERAND=operand, INTERPRETED=triton.knobs.runtime.interpret, STAGES=SCAN_STAGES,
         num_warps=NUM_WARPS["state_scan_fwd_kernel"],
     )  # fmt: skip
     return h_states, v_new, final
@@ -277,7 +279,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         HAS_D_FINAL=d_final is not None, STORE_D_INITIAL=d_initial is not None,
-        OPERAND=_operand(q), INTERPRETED=triton.knobs.runtime.interpret,
+        OPERAND=_operand(q), INTERPRETED=triton.knobs.runtime.interpret, STAGES=SCAN_STAGES,
         num_warps=NUM_WARPS["state_scan_bwd_kernel"],
     )  # fmt: skip
     del W, K_d

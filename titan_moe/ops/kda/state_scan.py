@@ -33,7 +33,8 @@ from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
 
 # SCAN_LOOPS: compiled, the scans walk the chunks in a `for` loop, which Triton's pipeliner
 # turns into prefetches: chunk c + 1's operands load while chunk c's GEMMs run (a `while` loop
-# compiles to no asynchronous copy). On the H200 that took only 4% off the forward scan
+# compiles to no asynchronous copy), STAGES deep (the loop's own count: the launch's num_stages
+# left the reverse scan unpipelined on sm_90). On the H200 that took only 4% off the forward scan
 # (2026-12-05): a chunk's 5 µs go to the serial GEMM chain on fp32 operands, not to loads.
 # Triton 3.6's interpreter holds scalars as 1-element arrays, which range() cannot take under
 # NumPy 2, so interpreted (INTERPRETED) the scans keep the while loop; both call the same body.
@@ -84,6 +85,7 @@ def state_scan_fwd_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_INITIAL: tl.constexpr,
     STORE_FINAL: tl.constexpr, OPERAND: tl.constexpr, INTERPRETED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """h_states [B,NC,H,K,V] (state entering each chunk), v_new [B,Tp,H,V], final [B,H,K,V]."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
@@ -108,7 +110,7 @@ def state_scan_fwd_kernel(
                                OPERAND)
             c += 1
     else:
-        for c in tl.range(0, n_chunks, num_stages=2):
+        for c in tl.range(0, n_chunks, num_stages=STAGES):
             S = scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chunks,
                                rows, cols_k, cols_v, state_offs, state_ok, H, K, V, C, HAS_DOCS,
                                OPERAND)
@@ -145,6 +147,7 @@ def state_scan_bwd_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_D_FINAL: tl.constexpr,
     STORE_D_INITIAL: tl.constexpr, OPERAND: tl.constexpr, INTERPRETED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next), dv_new [B,Tp,H,V], dS_0; both
     buffers hold chunk_output_bwd_kernel's terms on entry."""
@@ -170,7 +173,7 @@ def state_scan_bwd_kernel(
                                 OPERAND)
             c -= 1
     else:
-        for i in tl.range(0, n_chunks, num_stages=2):
+        for i in tl.range(0, n_chunks, num_stages=STAGES):
             dS = scan_bwd_chunk(dS, n_chunks - 1 - i, K_d, G, W, doc, dh_states, dv_new, b, h,
                                 T, Tp, n_chunks, rows, cols_k, cols_v, state_offs, state_ok, H,
                                 K, V, C, HAS_DOCS, OPERAND)
