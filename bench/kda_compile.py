@@ -30,22 +30,26 @@ from titan_moe.cli_args import positive
 from titan_moe.ops.kda import chunk_triton
 
 
+def forward_backward(inputs: tuple, d: int) -> None:
+    """One forward and backward of the op's bodies, as autograd runs them (the forward keeps
+    its chunk matrices for the backward): inputs are (q, k, v, g, beta, doc, A_log, dt_bias,
+    initial_state)."""
+    _, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(*inputs, d**-0.5, -5.0, False, True)
+    chunk_triton.chunk_kda_bwd._init_fn(*inputs, torch.zeros_like(inputs[2]), None, d**-0.5,
+                                        -5.0, *matrices)
+
+
 def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.dtype,
                     docs: bool, fused: bool) -> list[tuple]:
-    """(kernel, positional args, keyword args) of every launch of one forward and backward."""
+    """(kernel, grid, positional args, keyword args) of every launch of one forward and
+    backward."""
     shape = (batch, seq_len, heads, d)
     q, k, v, g = (torch.zeros(shape, dtype=dtype) for _ in range(4))
     beta = torch.zeros(shape[:3], dtype=dtype)
     doc = torch.zeros(shape[:2], dtype=torch.int32) if docs else None
     A_log, dt_bias = (torch.zeros(heads), torch.zeros(heads * d)) if fused else (None, None)
     common = (q, k, v, g, beta, doc, A_log, dt_bias, None)
-
-    def run():
-        _, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(*common, d**-0.5, -5.0, False, True)
-        chunk_triton.chunk_kda_bwd._init_fn(*common, torch.zeros_like(v), None, d**-0.5, -5.0,
-                                            *matrices)
-
-    return recorded_launches(chunk_triton, run)
+    return recorded_launches(chunk_triton, lambda: forward_backward(common, d))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as cache:  # cold: nothing compiled before
         triton.knobs.cache.dir = cache
-        for kernel, args, kwargs in launches:
+        for kernel, _, args, kwargs in launches:
             src, options = source(kernel, args, dict(kwargs))
             start = time.perf_counter()
             compiled = triton.compile(src, target=target, options=options)

@@ -23,18 +23,20 @@ from pathlib import Path
 
 import torch
 import triton
+from kda import G_MIN
+from kda_compile import forward_backward
 from report import write_json
 from timing import event_timed
+from triton_static import recorded_launches
 
 from titan_moe.cli_args import positive, positive_ints
 
 # The package exports the triton_ops under their modules' names: import the module by its path.
 chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
-G_MIN = -5.0
 
 
-def recorded_launches(shape: tuple[int, int, int, int], device: str, docs: bool) -> list[dict]:
-    """Every launch of one forward+backward, each {name, kernel, grid, args, kwargs}; the
+def op_launches(shape: tuple[int, int, int, int], device: str, docs: bool) -> list[dict]:
+    """Every launch of one forward+backward, each {name, row, kernel, grid, args, kwargs}; the
     launches run as they are recorded, so each one's inputs hold real values."""
     b, t, h, d = shape
     gen = torch.Generator(device=device).manual_seed(0)
@@ -49,32 +51,13 @@ def recorded_launches(shape: tuple[int, int, int, int], device: str, docs: bool)
     beta = torch.sigmoid(rand(b, t, h)).to(dtype)
     doc = (torch.arange(t, device=device) // max(t // 3, 1)).int().expand(b, -1).contiguous()
     common = (q, k, v, g, beta, doc if docs else None, None, None, None)
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append({"name": self.kernel.fn.__name__, "kernel": self.kernel,
-                                 "grid": grid, "args": args, "kwargs": kwargs})
-                self.kernel[grid](*args, **kwargs)
-
-            return launch
-
-    original = chunk_triton.wrap_triton
-    chunk_triton.wrap_triton = Recorder
-    try:
-        _, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(*common, d**-0.5, G_MIN, False, True)
-        chunk_triton.chunk_kda_bwd._init_fn(*common, torch.randn_like(v), None, d**-0.5, G_MIN,
-                                            *matrices)
-    finally:
-        chunk_triton.wrap_triton = original
-    seen: dict[str, int] = {}
-    for launch in launches:  # a kernel launched twice (the scan, the UT transform) is two rows
-        seen[launch["name"]] = seen.get(launch["name"], 0) + 1
-        launch["row"] = f"{launch['name']}#{seen[launch['name']]}"
+    records = recorded_launches(chunk_triton, lambda: forward_backward(common, d), launch=True)
+    launches, seen = [], {}
+    for kernel, grid, args, kwargs in records:  # a kernel launched twice is two rows
+        name = kernel.fn.__name__
+        seen[name] = seen.get(name, 0) + 1
+        launches.append({"name": name, "row": f"{name}#{seen[name]}", "kernel": kernel,
+                         "grid": grid, "args": args, "kwargs": kwargs})
     return launches
 
 
@@ -138,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shape takes B,T,H,D, got {opts.shape}")
     if opts.device == "cpu" and not triton.knobs.runtime.interpret:
         parser.error("--device cpu runs the kernels under TRITON_INTERPRET=1 only")
-    launches = recorded_launches(tuple(opts.shape), opts.device, not opts.no_docs)
+    launches = op_launches(tuple(opts.shape), opts.device, not opts.no_docs)
     rows = []
     for launch in launches:
         times = {label(s): timed_launch(launch, s, opts.device, opts.iters)

@@ -64,7 +64,7 @@ def static_row(tokens: int, experts: int, k: int, shape: tuple[int, int], arch: 
     from triton_static import recorded_launches, resource_usage, sass_opcodes, source
 
     logits, bias = torch.zeros(tokens, experts), torch.zeros(experts)
-    (kernel, args, kwargs), = recorded_launches(qb_module, lambda: qb_module.launch_qb_route(
+    (kernel, _, args, kwargs), = recorded_launches(qb_module, lambda: qb_module.launch_qb_route(
         logits, bias, None, k, 1.0, N_BINS, True, shape))
     # Recorded on CPU tensors; compile what CUDA runs (libdevice's expf, as torch.sigmoid).
     src, options = source(kernel, args, {**kwargs, "LIBDEVICE": True})

@@ -103,7 +103,7 @@ def compile_times(shape, head_dim: int, doc_len: int, arch: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         triton.knobs.cache.dir = cache
-        for kernel, args, kwargs in launches:
+        for kernel, _, args, kwargs in launches:
             src, options = source(kernel, args, dict(kwargs))
             start = time.perf_counter()
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

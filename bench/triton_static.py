@@ -24,9 +24,11 @@ TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
 
-def recorded_launches(ops_module: ModuleType, run: Callable[[], object]) -> list[tuple]:
-    """(kernel, positional args, keyword args) of every launch run() makes through
-    ops_module.wrap_triton, recorded instead of launched (CPU tensors will do)."""
+def recorded_launches(ops_module: ModuleType, run: Callable[[], object],
+                      launch: bool = False) -> list[tuple]:
+    """(kernel, grid, positional args, keyword args) of every launch run() makes through
+    ops_module.wrap_triton, recorded instead of launched (CPU tensors will do), or with `launch`
+    also launched, so each launch's inputs hold what the earlier ones wrote."""
     launches = []
 
     class Recorder:
@@ -34,7 +36,12 @@ def recorded_launches(ops_module: ModuleType, run: Callable[[], object]) -> list
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+            def record(*args, **kwargs):
+                launches.append((self.kernel, grid, args, kwargs))
+                if launch:
+                    self.kernel[grid](*args, **kwargs)
+
+            return record
 
     original = ops_module.wrap_triton
     ops_module.wrap_triton = Recorder
