@@ -67,6 +67,14 @@ def kda_gate_from_raw(g_raw, A_log_h, dt_bias_row, g_min):
 
 
 @triton.jit
+def keys_decayed_to_end(k_c, G_c, G_end, last_doc):
+    """K_d = (gamma_C / Gamma) * K on the rows of the chunk's last document, 0 on the others:
+    the keys the state scans multiply by. The UT transform writes it as the scans' operand;
+    the gate's backward recomputes it in fp32 from the same formula."""
+    return tl.where(last_doc[:, None], k_c * tl.exp(G_end[None, :] - G_c), 0.0)
+
+
+@triton.jit
 def chunk_documents(doc, b, t0, rows, T, C: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Per-row document ids of a chunk, the id before it and the id of its last valid token.
 

@@ -8,7 +8,7 @@ batch*head); G is padded to Tp = cdiv(T, C) * C rows, the rows past T holding g 
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.chunk_common import chunk_documents, kda_gate_from_raw
+from titan_moe.ops.kda.chunk_common import chunk_documents, kda_gate_from_raw, keys_decayed_to_end
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def gate_cumsum_bwd_kernel(
     in_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
     in_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
     k_c = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
-    k_d = tl.where((d == d_last)[:, None], k_c * tl.exp(G_end[None, :] - G_c), 0.0)
+    k_d = keys_decayed_to_end(k_c, G_c, G_end, d == d_last)
     dG_end = tl.sum(k_d * d_kd_c, axis=0) + tl.where(d_last == d_before,
                                                       tl.exp(G_end) * d_gamma_c, 0.0)
     dG_c += tl.where(rows[:, None] == C - 1, dG_end[None, :], 0.0)

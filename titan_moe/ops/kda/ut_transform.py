@@ -12,7 +12,12 @@ gamma_C / Gamma are <= 1.
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
+from titan_moe.ops.kda.chunk_common import (
+    chunk_documents,
+    keys_decayed_to_end,
+    mma,
+    rounded_to,
+)
 
 
 @triton.jit
@@ -54,7 +59,7 @@ def ut_transform_kernel(
         tl.store(W + out_offs, rounded_to(mma(M, k_gamma, OPERAND), W.dtype.element_ty),
                  mask=k_ok[None, :])
         G_end = tl.load(G + ((b * Tp + t0 + C - 1) * H + h) * K + cols_k, mask=k_ok, other=0.0)
-        k_d = tl.where(last_doc[:, None], k_c * tl.exp(G_end[None, :] - G_c), 0.0)
+        k_d = keys_decayed_to_end(k_c, G_c, G_end, last_doc)
         tl.store(K_d + out_offs, rounded_to(k_d, K_d.dtype.element_ty), mask=k_ok[None, :])
     for v0 in tl.range(0, V, BV):
         cols_v = v0 + tl.arange(0, BV)
