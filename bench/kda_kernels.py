@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import triton
-from kda import G_MIN
+from kda import inputs
 from kda_compile import forward_backward
 from report import write_json
 from timing import event_timed
@@ -39,16 +39,8 @@ def op_launches(shape: tuple[int, int, int, int], device: str, docs: bool) -> li
     """Every launch of one forward+backward, each {name, row, kernel, grid, args, kwargs}; the
     launches run as they are recorded, so each one's inputs hold real values."""
     b, t, h, d = shape
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*size):
-        return torch.randn(*size, device=device, generator=gen)
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k = (torch.nn.functional.normalize(rand(b, t, h, d), dim=-1).to(dtype) for _ in range(2))
-    v = rand(b, t, h, d).to(dtype)
-    g = (G_MIN * torch.sigmoid(rand(b, t, h, d))).to(dtype)
-    beta = torch.sigmoid(rand(b, t, h)).to(dtype)
+    q, k, v, g, beta = (x.detach() for x in inputs(b, t, h, d, device, dtype, fused=False))
     doc = (torch.arange(t, device=device) // max(t // 3, 1)).int().expand(b, -1).contiguous()
     common = (q, k, v, g, beta, doc if docs else None, None, None, None)
     records = recorded_launches(chunk_triton, lambda: forward_backward(common, d), launch=True)
