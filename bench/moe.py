@@ -10,15 +10,17 @@ eager and compiled (median of --iters after --warmup), for:
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
 The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
 E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
-Prints a table and writes JSON (--out). torchtitan's MoE is timed on CUDA only: its router calls
-torch.histc on int64, which has no CPU kernel. The router alone: bench/qb_route.py.
+Prints a table and writes JSON (--out); --profile N adds each row's N largest kernels of one
+forward+backward by device time (where ours loses to torchtitan's). torchtitan's MoE is timed
+on CUDA only: its router calls torch.histc on int64, which has no CPU kernel.
+The router alone: bench/qb_route.py.
 """
 
 import argparse
 import json
 
 import torch
-from timing import timed
+from timing import device_profile, timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_moe.cli_args import non_negative, positive
@@ -45,7 +47,7 @@ def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dty
     return layer.train()
 
 
-def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters) -> dict:
+def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters, top) -> dict:
     d, hidden, experts, k = shape
     layer = build(kind, d, hidden, experts, k, device, dtype)
     fn = torch.compile(layer) if compiled else layer
@@ -59,8 +61,11 @@ def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters) -> 
     def fwd_bwd():
         fn(x).backward(grad)
 
-    return {"fwd_ms": timed(fwd, device, warmup, iters),
-            "fwd_bwd_ms": timed(fwd_bwd, device, warmup, iters)}
+    r = {"fwd_ms": timed(fwd, device, warmup, iters),
+         "fwd_bwd_ms": timed(fwd_bwd, device, warmup, iters)}
+    if top and device == "cuda":
+        r["profile"] = device_profile(fwd_bwd, r["fwd_bwd_ms"], top=top)["top"]
+    return r
 
 
 def main() -> None:
@@ -71,6 +76,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=non_negative, default=3)
     parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
+                        help="CUDA: list each row's N largest kernels of one forward+backward")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                        for k, v in TINY.items()))
@@ -92,11 +99,14 @@ def main() -> None:
         for compiled in modes:
             for kind in kinds:
                 r = bench_layer(kind, shape, opts.tokens, opts.device, dtype, compiled,
-                                opts.warmup, opts.iters)
+                                opts.warmup, opts.iters, opts.profile)
                 mode = "compiled" if compiled else "eager"
                 rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
                 print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
                       f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
+                for e in r.get("profile", []):
+                    print(f"    {e['ms']:7.3f} ms {100 * e['share']:5.1f}%  x{e['calls']:<3} "
+                          f"{e['kernel'][:90]}")
     result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
               "torch": torch.__version__, "tokens": opts.tokens, "dtype": str(dtype),
               "layers": rows}
