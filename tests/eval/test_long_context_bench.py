@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.bench_scripts import load_bench
-from titan_moe.model import moe as moe_module
+from titan_moe.model import token_chunks
 
 
 def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatch, capsys):
@@ -78,7 +78,7 @@ def test_moe_chunk_reaches_the_model_and_the_plan(tmp_path, monkeypatch):
             chunk_sizes.append(x.shape[0])
         return checkpoint(fn, x, *args, **kwargs)
 
-    monkeypatch.setattr(moe_module, "checkpoint", counted)
+    monkeypatch.setattr(token_chunks, "checkpoint", counted)
     losses = {}
     for chunk in (0, 48):
         out = tmp_path / f"lc{chunk}.json"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from titan_moe.model import moe as moe_module
+from titan_moe.model import token_chunks
 from titan_moe.model.moe import LatentMoE, dispatch_layout
 from titan_moe.model.router import Router
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
@@ -264,7 +264,7 @@ def test_token_chunks_match_unchunked_outputs_gradients_and_qb_stats(outer_ac: b
         chunk_sizes.append(x.shape[0])
         return checkpoint(fn, x, *args, **kwargs)
 
-    monkeypatch.setattr(moe_module, "checkpoint", counted)
+    monkeypatch.setattr(token_chunks, "checkpoint", counted)
     x = torch.randn(2, 11, 12, requires_grad=True)
     grad_out = torch.randn(2, 11, 12)
     valid = torch.ones(2, 11, dtype=torch.bool)

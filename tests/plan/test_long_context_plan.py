@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
-from titan_moe.model import moe as moe_module
+from titan_moe.model import token_chunks
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.parallel.pipeline import boundary_tensors
@@ -166,7 +166,7 @@ def _chunk_recomputes(args, chunk: int, b: int, t: int, monkeypatch) -> list[int
 
         return checkpoint(run, x, *rest, **kwargs)
 
-    monkeypatch.setattr(moe_module, "checkpoint", measured)
+    monkeypatch.setattr(token_chunks, "checkpoint", measured)
     sources = [torch.randn(b, t, args.dim, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(boundary_tensors(args.attn_res_block_size, 1))]
     with set_checkpoint_early_stop(False):

@@ -16,21 +16,20 @@ syncs with the host, so torch.compile(fullgraph=True) traces the layer.
 
 Token chunks (`token_chunk` > 0, long context): the flattened tokens are split into chunks of
 that many (the last may be shorter), each routed, dispatched (its own padded buffer) and run
-under its own non-reentrant activation checkpoint. Routing is per token, so the output is the
-same; backward, and a full-AC recompute around the layer, then hold one chunk's expert buffers
-(N·k dispatched rows, grouped-GEMM and SiTU-GLU activations) at a time instead of all T tokens'.
-Inside torch.compile each checkpoint is a HOP the partitioner recomputes; the chunks are
-unrolled, with static shapes per T. A checkpoint's recompute runs inside backward, so the
-router does not count it again in the QB statistics.
+under its own non-reentrant activation checkpoint (`token_chunks.checkpointed_chunks`). Routing
+is per token, so the output is the same; backward, and a full-AC recompute around the layer,
+then hold one chunk's expert buffers (N·k dispatched rows, grouped-GEMM and SiTU-GLU
+activations) at a time instead of all T tokens'. A checkpoint's recompute runs inside backward,
+so the router does not count it again in the QB statistics.
 """
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.router import Router
 from titan_moe.model.situ_glu import SiTUGLU, situ_glu
+from titan_moe.model.token_chunks import checkpointed_chunks
 from titan_moe.ops.grouped_mm import grouped_mm
 from titan_moe.ops.moe_dispatch import moe_combine, moe_dispatch
 
@@ -138,17 +137,8 @@ class LatentMoE(nn.Module):
         batch, seq, dim = x.shape
         x_flat = x.reshape(batch * seq, dim)
         valid_flat = None if valid is None else valid.reshape(-1)
-        chunk = self.token_chunk
-        if not 0 < chunk < batch * seq:
-            return self._tokens(x_flat, valid_flat).view(batch, seq, dim)
-        # split, not slicing: its backward concatenates the chunks' input gradients once, where
-        # each slice's would be a zero-filled [N, dim] tensor.
-        xs = x_flat.split(chunk)
-        valids = [None] * len(xs) if valid_flat is None else valid_flat.split(chunk)
-        # The layer draws no random numbers: no RNG state to save and restore.
-        ys = [checkpoint(self._tokens, xc, vc, use_reentrant=False, preserve_rng_state=False)
-              for xc, vc in zip(xs, valids, strict=True)]
-        return torch.cat(ys).view(batch, seq, dim)
+        y = checkpointed_chunks(self._tokens, self.token_chunk, x_flat, valid_flat)
+        return y.view(batch, seq, dim)
 
     def _tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """x [N, dim], valid [N] bool or None -> [N, dim]: the layer over N flattened tokens."""
