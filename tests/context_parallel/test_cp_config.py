@@ -44,6 +44,7 @@ def test_seq_len_must_split_into_whole_kda_chunks():
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
     (["--parallelism.sharding", "simple_fsdp"], "parallelism.sharding = 'simple_fsdp'"),
     (["--titan_moe.vision", "debug"], "titan_moe.vision"),
+    (["--titan_moe.seq_segment", "64"], "titan_moe.seq_segment"),
 ])
 def test_unsupported_combinations_name_their_fields(extra, field):
     message = error_of([*CP2, *extra])

@@ -56,6 +56,9 @@ def test_params_cli_prints_units():
     ({"mla_layers": [2.5]}, "mla_layers"),  # the list's items are typed too
     ({"not_a_field": 1}, "not_a_field"),
     ({"moe_token_chunk": -1}, "moe_token_chunk"),
+    ({"seq_segment": -64}, "seq_segment"),
+    ({"seq_segment": 100}, "seq_segment"),  # not a multiple of the KDA chunk (64)
+    ({"seq_segment": 64, "kda_conv_size": 66}, "seq_segment"),  # shorter than the conv's taps
 ])
 def test_inconsistent_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=rf"titan_moe\.{field}\b"):
@@ -68,12 +71,15 @@ def test_overrides_take_toml_forms():
     assert args.mla_layers == (2, 4) and args.norm_eps == 1
 
 
-def test_moe_token_chunk_reaches_every_moe_layer():
-    args = apply_overrides(get_flavor("debug"), {"moe_token_chunk": 4096})
+def test_moe_token_chunk_and_seq_segment_reach_their_sublayers():
+    # The MoE layers take moe_token_chunk; the dense FFN and the KDA mixers seq_segment.
+    args = apply_overrides(get_flavor("debug"), {"moe_token_chunk": 4096, "seq_segment": 128})
     with torch.device("meta"):
         model = TitanMoE(args)
-    chunks = {i: getattr(layer.ffn, "token_chunk", None) for i, layer in model.layers.items()}
-    assert chunks == {str(i): 4096 if args.is_moe(i) else None for i in range(args.n_layers)}
+    chunks = {i: layer.ffn.token_chunk for i, layer in model.layers.items()}
+    assert chunks == {str(i): 4096 if args.is_moe(i) else 128 for i in range(args.n_layers)}
+    segments = {i: getattr(layer.mixer, "seq_segment", None) for i, layer in model.layers.items()}
+    assert segments == {str(i): None if args.is_mla(i) else 128 for i in range(args.n_layers)}
 
 
 def test_unknown_flavor_lists_allowed():

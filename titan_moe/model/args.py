@@ -16,6 +16,7 @@ from typing import Any
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_moe.config_types import type_name, value_matches
+from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
 from titan_moe.ops.kda import KDA_BACKENDS
 from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED
 
@@ -123,6 +124,12 @@ class TitanMoEArgs(BaseModelArgs):
     # Long context: run each MoE layer over chunks of this many (flattened) tokens, each under
     # its own activation checkpoint, so backward holds one chunk's expert buffers; 0: no chunks.
     moe_token_chunk: int = 0
+    # Long context: run each KDA mixer by segments of this many positions of each row (the
+    # recurrent state and the conv taps carried from one to the next) and each dense FFN by
+    # chunks of this many flattened tokens, every segment under its own activation checkpoint,
+    # so backward holds one segment's intermediates; 0: whole sequences. A multiple of the KDA
+    # chunk (64); no context parallelism (it replaces the mixer's sequence steps).
+    seq_segment: int = 0
 
     # Vision tower (spec §7): "none" (text only) or a VISION_FLAVORS name; the two patch
     # budgets override the vision flavor's when > 0. `<|image|>` placeholders carry its output.
@@ -174,6 +181,13 @@ class TitanMoEArgs(BaseModelArgs):
              "must be positive when n_shared_experts > 0")
         need(isinstance(self.moe_token_chunk, int) and self.moe_token_chunk >= 0,
              "moe_token_chunk", "must be an integer >= 0 (tokens a MoE chunk; 0: no chunks)")
+        need(isinstance(self.seq_segment, int) and self.seq_segment >= 0
+             and self.seq_segment % KDA_CHUNK_SIZE == 0, "seq_segment",
+             f"must be 0 (whole sequences) or a positive multiple of the KDA chunk "
+             f"({KDA_CHUNK_SIZE}): positions a segment")
+        need(self.seq_segment == 0 or self.seq_segment >= self.kda_conv_size - 1, "seq_segment",
+             f"must hold the KDA conv's {self.kda_conv_size - 1} taps carried to the next "
+             f"segment (kda_conv_size - 1), or be 0")
         need(self.route_scale > 0, "route_scale", "must be > 0")
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "situ_beta1",
              "situ_beta1 and situ_beta2 must be > 0")

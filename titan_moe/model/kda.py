@@ -9,6 +9,14 @@
 The convolution and the recurrence both restart at every document start given by `doc_ids`.
 Decoding (`state`, a KDAState) carries the recurrent state S and the last conv_size - 1 conv
 inputs across calls: constant memory in the context length.
+
+Long context (`seq_segment` > 0, training): the layer runs by segments of that many positions,
+each whole (projections, short conv, recurrence, output gate, norm and W_o) under its own
+non-reentrant checkpoint, so a backward (and a full-AC recompute around the layer) holds one
+segment's q, k, v, conv outputs and gates instead of all T positions'. A segment starts from the
+previous one's state S (zeroed in the rows where a document begins with the segment) and its
+last conv_size - 1 conv inputs, the conv's halo (dropped by the conv where their document
+differs); outputs and gradients equal the whole layer's up to the order of sums.
 """
 
 import math
@@ -17,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.norm import RMSNorm
@@ -73,6 +82,7 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = args.head_dim
         self.g_min = args.kda_g_min
         self.kda_backend = resolve_backend(args.kda_backend)
+        self.seq_segment = args.seq_segment
         inner = args.n_heads * args.head_dim
         self.w_q = nn.Linear(args.dim, inner, bias=False)
         self.w_k = nn.Linear(args.dim, inner, bias=False)
@@ -101,23 +111,100 @@ class KimiDeltaAttention(nn.Module):
         advanced past them."""
         if cache is not None:
             return self._forward_with_state(x, cache, valid)
+        if 0 < self.seq_segment < x.shape[1]:
+            return self._forward_by_segments(x, doc_ids)
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
-        q = self.w_q(x)
+        q, k, v = self._conv_act(self._conv_inputs(x), doc_ids, shape)
+        beta, g_raw = self._gate_inputs(x, q.dtype, shape)
+        o, _ = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
+                                        doc_ids=doc_ids, backend=self.kda_backend)
+        return self._output(o, x)
+
+    def _forward_by_segments(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """forward over segments of seq_segment positions, each under its own checkpoint, the
+        recurrent state and the conv taps passed from one to the next."""
+        n_taps = self.conv_q.shape[-1] - 1
+        outputs, state, taps, start = [], None, (), 0
+        for xs in x.split(self.seq_segment, 1):  # split: its backward is one cat
+            end = start + xs.shape[1]
+            docs = tap_docs = None
+            if doc_ids is not None:
+                docs = doc_ids[:, start:end]
+                if start:
+                    tap_docs = doc_ids[:, start - n_taps:start]
+                    # The state restarts in the rows where a document begins with this segment
+                    # (the op seeds each row's first document with initial_state).
+                    same = doc_ids[:, start] == doc_ids[:, start - 1]
+                    state = torch.where(same.view(-1, 1, 1, 1), state, 0.0)
+            # The layer draws no random numbers: no RNG state to save and restore.
+            y, state, *taps = checkpoint(self._segment, xs, docs, state, tap_docs, *taps,
+                                         use_reentrant=False, preserve_rng_state=False)
+            outputs.append(y)
+            start = end
+        return torch.cat(outputs, 1)
+
+    def _segment(
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        state: torch.Tensor | None,
+        tap_docs: torch.Tensor | None,
+        *taps: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """The layer over a segment x [B,T,d] that continues the previous one: from its
+        recurrent state and its last conv_size - 1 conv inputs of q, k and v (`taps`, of the
+        documents `tap_docs`); none for the first segment. Returns (y, the state after this
+        segment, this segment's last conv_size - 1 conv inputs of q, k and v)."""
+        b, t, _ = x.shape
+        shape = (b, t, self.n_heads, self.head_dim)
+        window, window_docs, halo = self._conv_inputs(x), doc_ids, 0
+        if taps:  # the causal conv's halo; the conv drops taps of an earlier document
+            window = [torch.cat([tap, z], 1) for tap, z in zip(taps, window, strict=True)]
+            window_docs = None if doc_ids is None else torch.cat([tap_docs, doc_ids], 1)
+            halo = taps[0].shape[1]
+        q, k, v = self._conv_act(window, window_docs, shape, halo)
+        beta, g_raw = self._gate_inputs(x, q.dtype, shape)
+        o, final = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta,
+                                            self.g_min, initial_state=state,
+                                            output_final_state=True, doc_ids=doc_ids,
+                                            backend=self.kda_backend)
+        # Copies: views would keep this segment's whole conv inputs alive through the next.
+        n_taps = self.conv_q.shape[-1] - 1
+        return self._output(o, x), final, *(z[:, z.shape[1] - n_taps:].clone() for z in window)
+
+    def _conv_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The projections the short convs run over: W_q x, W_k x, W_v x."""
+        return [self.w_q(x), self.w_k(x), self.w_v(x)]
+
+    def _conv_act(
+        self, inputs: list[torch.Tensor], doc_ids: torch.Tensor | None, shape: tuple[int, ...],
+        halo: int = 0,
+    ) -> list[torch.Tensor]:
+        """q, k, v [B,T,H,K] from their conv inputs [B, halo + T, H·K], the first halo rows
+        (the previous segment's) cut off after the conv."""
         # The recurrence takes its inputs in the projections' dtype (bf16 under autocast), not
         # the residual stream's (fp32 under autocast): the kernels compute in fp32 either way,
         # but fp32 inputs select IEEE fp32 GEMMs, several times slower and minutes to compile.
         # The short conv computes in fp32 and returns its input's dtype, the projections'.
-        act = q.dtype
-        q = self.sequence_conv_act(q, self.conv_q, doc_ids, self.head_dim).view(shape)
-        k = self.sequence_conv_act(self.w_k(x), self.conv_k, doc_ids, self.head_dim).view(shape)
-        v = self.sequence_conv_act(self.w_v(x), self.conv_v, doc_ids, None).view(shape)
+        weights = (self.conv_q, self.conv_k, self.conv_v)
+        norms = (self.head_dim, self.head_dim, None)
+        outputs = [self.sequence_conv_act(z, w, doc_ids, n)
+                   for z, w, n in zip(inputs, weights, norms, strict=True)]
+        return [(y[:, halo:] if halo else y).view(shape) for y in outputs]
+
+    def _gate_inputs(
+        self, x: torch.Tensor, act: torch.dtype, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """β = σ(W_β x) (at least fp32) and the gate's low-rank input W_f↑ W_f↓ x [B,T,H,K]."""
         wide = torch.promote_types(act, torch.float32)
         beta = torch.sigmoid(self.w_beta(x).to(wide))
-        g_raw = self.w_f_up(self.w_f_down(x)).view(shape)
-        o, _ = self.sequence_recurrence(q, k, v, g_raw, self.A_log, self.dt_bias, beta, self.g_min,
-                                        doc_ids=doc_ids, backend=self.kda_backend)
-        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
+        return beta, self.w_f_up(self.w_f_down(x)).view(shape)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y = W_o concat_h[σ(W_g x)_h ⊙ RMSNorm(o_h)]."""
+        b, t = o.shape[:2]
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(o.shape)
         return self.w_o(o.reshape(b, t, -1))
 
     def _forward_with_state(
@@ -153,8 +240,7 @@ class KimiDeltaAttention(nn.Module):
             o, recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent,
                                      output_final_state=True, backend=self.kda_backend)
         state.update(recurrent, conv)
-        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.w_g(x)).view(shape)
-        return self.w_o(o.reshape(b, t, -1))
+        return self._output(o, x)
 
     def new_cache(self, batch: int) -> KDAState:
         """An empty decode state (nothing seen yet) on the layer's device and dtype."""

@@ -57,7 +57,8 @@ class DecoderLayer(nn.Module):
                 token_chunk=args.moe_token_chunk,
             )
         else:
-            self.ffn = SiTUGLU(args.dim, args.dense_hidden, args.situ_beta1, args.situ_beta2)
+            self.ffn = SiTUGLU(args.dim, args.dense_hidden, args.situ_beta1, args.situ_beta2,
+                               token_chunk=args.seq_segment)
         self.init_std = args.init_std
         self.out_init_std = args.init_std / math.sqrt(2 * (layer_id + 1))
 

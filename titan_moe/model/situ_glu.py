@@ -6,10 +6,16 @@
 
 With β1 = 4, β2 = 25 every element of h lies in (-100, 100) whatever the input, which is what
 keeps the experts stable; near 0, tanh(g/β)·β ≈ g, so the unit behaves like SwiGLU there.
+
+Long context (`token_chunk` > 0, the dense layers' `seq_segment`): the block runs over chunks of
+that many flattened tokens, each under its own activation checkpoint
+(`token_chunks.checkpointed_chunks`), so backward holds one chunk's hidden activations.
 """
 
 import torch
 from torch import nn
+
+from titan_moe.model.token_chunks import checkpointed_chunks
 
 
 def situ(x: torch.Tensor, beta: float) -> torch.Tensor:
@@ -27,10 +33,15 @@ def situ_glu(
 
 
 class SiTUGLU(nn.Module):
-    """A dense SiTU-GLU feed-forward block: w2(situ_glu(w1 x, w3 x))."""
+    """A dense SiTU-GLU feed-forward block: w2(situ_glu(w1 x, w3 x)); with token_chunk > 0
+    by checkpointed chunks of that many flattened tokens."""
 
-    def __init__(self, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0):
+    def __init__(self, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0,
+                 token_chunk: int = 0):
         super().__init__()
+        if token_chunk < 0:
+            raise ValueError(f"token_chunk must be >= 0 (0: no chunks), got {token_chunk}")
+        self.token_chunk = token_chunk
         self.beta1 = beta1
         self.beta2 = beta2
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
@@ -38,6 +49,13 @@ class SiTUGLU(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> [..., dim]."""
+        if not self.token_chunk:
+            return self._tokens(x)
+        y = checkpointed_chunks(self._tokens, self.token_chunk, x.reshape(-1, x.shape[-1]))
+        return y.view(x.shape)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(situ_glu(self.w1(x), self.w3(x), self.beta1, self.beta2))
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:

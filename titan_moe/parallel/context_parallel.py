@@ -79,6 +79,11 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):
+            if module.seq_segment:
+                # Segments pass the state and the conv taps within one rank's sequence; the
+                # exchanged steps below see each call as a whole shard.
+                raise ValueError(f"context parallelism does not support KDA segments "
+                                 f"(titan_moe.seq_segment = {module.seq_segment}); allowed: 0")
             module.sequence_conv_act = partial(_eager(_conv_act_with_halo), group)
             module.sequence_recurrence = partial(_eager(_recurrence_across_shards), group)
         elif isinstance(module, GatedMLA):

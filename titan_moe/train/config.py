@@ -223,8 +223,10 @@ def _check_activation_offload(job_config: Any) -> None:
                           f"'full', got {job_config.activation_checkpoint.mode!r}")
 
 
-def _check_context_parallel(job_config: Any, vision: str) -> None:
-    """CP shards each sequence into cp contiguous slabs (titan_moe/parallel/context_parallel.py)."""
+def _check_context_parallel(job_config: Any, vision: str, seq_segment: int) -> None:
+    """CP shards each sequence into cp contiguous slabs (titan_moe/parallel/context_parallel.py).
+    It replaces the KDA mixers' sequence steps with ones that exchange the conv halo and the state
+    across ranks, which KDA segments (titan_moe.seq_segment) do not call."""
     parallelism, training = job_config.parallelism, job_config.training
     cp = parallelism.context_parallel_degree
     if cp <= 1:
@@ -241,6 +243,7 @@ def _check_context_parallel(job_config: Any, vision: str) -> None:
         "parallelism.expert_parallel_degree > 1": parallelism.expert_parallel_degree > 1,
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
         "titan_moe.vision (image batches)": vision != "none",
+        "titan_moe.seq_segment > 0 (KDA segments)": seq_segment > 0,
         "validation.enable": job_config.validation.enable,
     }
     for name, on in unsupported.items():
@@ -629,9 +632,10 @@ def _check_semantics(job_config: Any) -> None:
     _check_activation_offload(job_config)
     flavor_args = _flavor_args(job_config)
     _check_multimodal(job_config, flavor_args)
-    n_layers = model_overrides(job_config).get("n_layers", getattr(flavor_args, "n_layers", 1))
+    n_layers = _model_field(job_config, flavor_args, "n_layers", 1)
     _check_pipeline_parallel(job_config, n_layers)
-    _check_context_parallel(job_config, _vision(job_config, flavor_args))
+    _check_context_parallel(job_config, _vision(job_config, flavor_args),
+                            _model_field(job_config, flavor_args, "seq_segment", 0))
     # WORLD_SIZE spans the nodes under torchrun; run_train.sh checks before it, one node of NGPU.
     world_source = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "NGPU"
     _check_parallel_dims(job_config, int(os.environ.get("WORLD_SIZE", n_processes)), world_source)
@@ -665,8 +669,13 @@ def _check_data(job_config: Any) -> None:
             raise ConfigError(str(e)) from None
 
 
+def _model_field(job_config: Any, flavor_args: Any, name: str, default: Any) -> Any:
+    """A model field as the job sets it: its `[titan_moe]` override, else the flavor's."""
+    return model_overrides(job_config).get(name, getattr(flavor_args, name, default))
+
+
 def _vision(job_config: Any, flavor_args: Any) -> str:
-    return model_overrides(job_config).get("vision", getattr(flavor_args, "vision", "none"))
+    return _model_field(job_config, flavor_args, "vision", "none")
 
 
 def _check_multimodal(job_config: Any, flavor_args: Any) -> None:
