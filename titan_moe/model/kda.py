@@ -156,6 +156,9 @@ class KimiDeltaAttention(nn.Module):
         recurrent state and its last conv_size - 1 conv inputs of q, k and v (`taps`, of the
         documents `tap_docs`); none for the first segment. Returns (y, the state after this
         segment, this segment's last conv_size - 1 conv inputs of q, k and v)."""
+        # A segment of rows > 1 is a strided view: one copy the projections share, where each
+        # would copy it for its GEMM (and save its copy).
+        x = x.contiguous()
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
         window, window_docs, halo = self._conv_inputs(x), doc_ids, 0
