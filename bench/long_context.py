@@ -11,7 +11,10 @@ varlen kernel with document masking (no [T, T] mask), and the trainer's chunked 
 (`training.loss_chunk`: the model runs under `hidden_from_head` and `ChunkedCrossEntropy` applies
 the head by chunks of --loss-chunk positions, so the [T, vocab] logits never exist), and with
 --moe-chunk the MoE layers by token chunks under their own checkpoints (titan_moe.moe_token_chunk:
-one chunk's expert buffers alive in backward). Parameters are
+one chunk's expert buffers alive in backward), and with --seq-segment the KDA mixers by segments
+of positions (the recurrent state and conv taps carried between them) and the dense FFN by token
+chunks, each under its own checkpoint (titan_moe.seq_segment: a layer's recompute holds one
+segment's projections, conv outputs and gates instead of all T positions'). Parameters are
 bf16 (FSDP's param_dtype in training; no fp32 master copy or optimizer state is held here).
 Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and
@@ -35,7 +38,7 @@ from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from titan_moe.cli_args import non_negative, positive
-from titan_moe.model.args import TitanMoEArgs, get_flavor
+from titan_moe.model.args import ConfigError, TitanMoEArgs, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
 from titan_moe.plan.memory import GIB, PlanConfig, bench_estimate, layer_activation_bytes
@@ -45,11 +48,12 @@ LENGTHS = "8192,65536,262144,1048576"
 TINY_LENGTHS = "128,256"
 
 
-def model_args(flavor: str, n_layers: int | None, moe_chunk: int = 0) -> TitanMoEArgs:
+def model_args(flavor: str, n_layers: int | None, moe_chunk: int = 0,
+               seq_segment: int = 0) -> TitanMoEArgs:
     args = get_flavor(flavor)
     if n_layers is not None:
         args.n_layers, args.mla_layers = n_layers, (n_layers,)
-    args.moe_token_chunk = moe_chunk
+    args.moe_token_chunk, args.seq_segment = moe_chunk, seq_segment
     return args.validate()
 
 
@@ -214,6 +218,9 @@ def main() -> None:
                         help="positions per chunk of the loss (training.loss_chunk)")
     parser.add_argument("--moe-chunk", type=non_negative, default=0,
                         help="tokens a MoE chunk (titan_moe.moe_token_chunk; 0: unchunked)")
+    parser.add_argument("--seq-segment", type=non_negative, default=0,
+                        help="positions a KDA segment and tokens a dense-FFN chunk, a multiple "
+                             "of 64 (titan_moe.seq_segment; 0: whole sequences)")
     parser.add_argument("--ac", choices=("full", "none"), default="full",
                         help="activation checkpointing of every decoder layer, or none")
     parser.add_argument("--offload", action="store_true",
@@ -242,7 +249,10 @@ def main() -> None:
         parser.error("--lengths and --loss-chunk must be positive integers")
     if args.offload and args.ac != "full":
         parser.error("--offload needs --ac full")
-    model_cfg = model_args(args.flavor, args.n_layers, args.moe_chunk)
+    try:
+        model_cfg = model_args(args.flavor, args.n_layers, args.moe_chunk, args.seq_segment)
+    except ConfigError as error:
+        parser.error(str(error))
     model = build(model_cfg, device, dtype, args.ac, args.compile)
     loss_fn = ChunkedCrossEntropy(model.output, args.loss_chunk)
     print(f"{'seq_len':>9} {'status':>6} {'step s':>9} {'us/token':>9} {'max GiB':>8} "
@@ -251,6 +261,7 @@ def main() -> None:
     for length in lengths:
         r = measure(model, loss_fn, length, args.doc_len, device, args.warmup, args.iters,
                     args.offload, args.phase_peaks)
+        r["seq_segment"] = args.seq_segment
         r["planned_peak_gib"] = planned_peak_gib(model_cfg, length, args.ac, args.loss_chunk,
                                                  args.offload)
         if "max_memory_allocated_gib" in r:
@@ -268,7 +279,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"flavor": args.flavor, "device": device, "ac": args.ac,
                            "offload": args.offload, "loss_chunk": args.loss_chunk,
-                           "moe_chunk": args.moe_chunk,
+                           "moe_chunk": args.moe_chunk, "seq_segment": args.seq_segment,
                            "rows": rows}, f, indent=2)
 
 

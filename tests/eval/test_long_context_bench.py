@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.bench_scripts import load_bench
+from titan_moe.model import kda as kda_module
 from titan_moe.model import token_chunks
 
 
@@ -93,6 +94,45 @@ def test_moe_chunk_reaches_the_model_and_the_plan(tmp_path, monkeypatch):
     # One MoE layer; each forward runs twice (the step's, then full AC's recompute).
     assert chunk_sizes == [48, 16] * 2 + [48, 48, 32] * 2
     for got, want in zip(losses[48], losses[0], strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want)
+
+
+def test_seq_segment_reaches_the_model_the_plan_and_every_row(tmp_path, monkeypatch):
+    # A real CPU step with layer 0's KDA mixer by segments of 64 positions and its dense FFN by
+    # chunks of 64 tokens: the same loss as whole (float32: 1e-6 relative), the plan given the
+    # segment, and each row records it.
+    bench = load_bench("long_context")
+    planned = []
+    plan = bench.bench_estimate
+
+    def recording(cfg, *args):
+        planned.append(cfg.args.seq_segment)
+        return plan(cfg, *args)
+
+    monkeypatch.setattr(bench, "bench_estimate", recording)
+    segments, chunks = [], []
+    for module, sizes, dim in ((kda_module, segments, 1), (token_chunks, chunks, 0)):
+        def counted(fn, x, *args, sizes=sizes, dim=dim, **kwargs):
+            if not x.is_meta:  # the plan runs the layer on meta
+                sizes.append(x.shape[dim])
+            return checkpoint(fn, x, *args, **kwargs)
+
+        monkeypatch.setattr(module, "checkpoint", counted)
+    losses = {}
+    for segment in (0, 64):
+        out = tmp_path / f"lc{segment}.json"
+        monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "128,192",
+                                          "--seq-segment", str(segment), "--out", str(out)])
+        torch.manual_seed(0)
+        bench.main()
+        result = json.loads(out.read_text())
+        assert result["seq_segment"] == segment
+        assert [r["seq_segment"] for r in result["rows"]] == [segment] * 2
+        losses[segment] = [r["loss_per_token"] for r in result["rows"]]
+    assert planned == [0, 0, 64, 64]
+    # Each forward runs twice (the step's, then full AC's recompute).
+    assert segments == [64] * 4 + [64] * 6 and chunks == segments
+    for got, want in zip(losses[64], losses[0], strict=True):
         assert abs(got - want) <= 1e-6 * abs(want)
 
 

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from titan_moe.model import kda as kda_module
 from titan_moe.model import token_chunks
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import DecoderLayer, TitanMoE
@@ -25,9 +26,13 @@ from titan_moe.plan.memory import (
     activation_bytes,
     estimate,
     fewest_gpus,
+    ffn_chunk_bytes,
+    largest_recompute,
     layer_activation_bytes,
+    layouts,
     load_plan_config,
-    moe_chunk_bytes,
+    mixer_segment_bytes,
+    parameter_counts,
     saved_bytes,
 )
 
@@ -133,42 +138,54 @@ def test_1m_stage_fits_on_the_layout_it_names_and_the_old_settings_did_not(capsy
     # One GPU's whole 1M sequence (CP 1), or the full-logits loss, does not fit on that count.
     assert not estimate(replace(cfg, cp=1), best.gpus, 1).fits(141)
     assert not estimate(replace(cfg, loss_chunk=0), best.gpus, best.ep).fits(141)
-    # Nor does one GPU with the MoE in token chunks and the layer inputs offloaded (the comment's
-    # numbers): the dense layer's and the mixers' recompute still grow with T.
-    one = replace(cfg, cp=1, offload=True, args=replace(cfg.args, moe_token_chunk=65536))
-    assert not estimate(one, 1, 1).fits(141)
+    # Nor does one GPU with the MoE in token chunks and the layer inputs offloaded, with or
+    # without KDA and the dense FFN by segments (the comment's numbers): without, layer 0's
+    # recompute grows with T; with, the MLA layers' still does.
+    for segment in (0, 65536):
+        one = replace(cfg, cp=1, offload=True,
+                      args=replace(cfg.args, moe_token_chunk=65536, seq_segment=segment))
+        assert not estimate(one, 1, 1).fits(141)
+        assert largest_recompute(one)[0] == (15 if segment else 0)  # the last MLA layer; KDA
     assert main(["--config", str(STAGES / "1m.toml"), "--gpus", str(best.gpus)]) == 0
     assert f"fewest GPUs: {best.gpus}" in capsys.readouterr().out
 
 
-def _moe_layer(args, chunk: int) -> DecoderLayer:
+def _layer(args, layer_id: int) -> DecoderLayer:
     torch.manual_seed(0)
-    layer = DecoderLayer(1, replace(args, moe_token_chunk=chunk))  # layer 1: KDA + MoE
+    layer = DecoderLayer(layer_id, args)
     layer.init_weights()
     return _bf16_with_fp32_islands(layer)
 
 
-def _chunk_recomputes(args, chunk: int, b: int, t: int, monkeypatch) -> list[int]:
-    """A real bf16 CPU forward+backward of a MoE layer in token chunks under full AC: the bytes
-    each chunk's recompute in backward leaves alive (what its checkpoint then holds), by live
+def _piece_recomputes(args, layer_id: int, b: int, t: int, monkeypatch,
+                      modules=(token_chunks,)) -> dict:
+    """A real bf16 CPU forward+backward of a decoder layer under full AC whose sublayers run by
+    checkpointed pieces: per module of `modules` (whose `checkpoint` is patched), the bytes each
+    piece's recompute leaves alive (what its checkpoint then holds in backward), by live
     storages at its end (early stop off, so the recompute runs to its end)."""
-    layer = _moe_layer(args, chunk)
+    layer = _layer(args, layer_id)
     params = list(layer.parameters())
-    held = []
+    held = {module: [] for module in modules}
 
-    def measured(fn, x, *rest, **kwargs):
-        def run(x, *rest):
-            mode = _LiveStorages(params + [x])  # x: a view of the layer's MoE input
-            with mode:
-                out = fn(x, *rest)
-            held.append(mode.live_bytes() - out.untyped_storage().nbytes())
-            return out
+    def measured(module):
+        def piece(fn, x, *rest, **kwargs):
+            def run(x, *rest):
+                mode = _LiveStorages(params + [x])  # x: a view of the sublayer's input
+                with mode:
+                    out = fn(x, *rest)
+                outs = out if isinstance(out, tuple) else (out,)
+                held[module].append(mode.live_bytes()
+                                    - sum(o.untyped_storage().nbytes() for o in outs))
+                return out
 
-        return checkpoint(run, x, *rest, **kwargs)
+            return checkpoint(run, x, *rest, **kwargs)
 
-    monkeypatch.setattr(token_chunks, "checkpoint", measured)
+        return piece
+
+    for module in modules:
+        monkeypatch.setattr(module, "checkpoint", measured(module))
     sources = [torch.randn(b, t, args.dim, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(boundary_tensors(args.attn_res_block_size, 1))]
+               for _ in range(boundary_tensors(args.attn_res_block_size, layer_id))]
     with set_checkpoint_early_stop(False):
         _, out = checkpoint(layer, sources[:-1], sources[-1], None, use_reentrant=False)
         out.float().square().sum().backward()
@@ -177,13 +194,15 @@ def _chunk_recomputes(args, chunk: int, b: int, t: int, monkeypatch) -> list[int
 
 def test_moe_chunk_recompute_matches_a_real_backward(tiny, monkeypatch):
     args, b, t, chunk = tiny.args, tiny.local_batch, tiny.seq_len, 48  # 128 tokens: 48, 48, 32
-    held = _chunk_recomputes(args, chunk, b, t, monkeypatch)
+    # Layer 1: KDA + MoE.
+    held = _piece_recomputes(replace(args, moe_token_chunk=chunk), 1, b, t, monkeypatch)
+    held = held[token_chunks]
     # Forward (its saves go to the checkpoint: nothing held), the full-AC recompute (the same),
     # then each chunk's recompute in backward, the last chunk first.
     assert len(held) == 9 and max(held[:6]) < min(held[6:])
     # Independent reference: what a saved-tensor hook sees the same layer, unchunked, save
     # over one chunk's tokens in an ordinary real forward; equal to the byte.
-    moe = _moe_layer(args, 0).ffn
+    moe = _layer(args, 1).ffn
     x = torch.randn(chunk, args.dim, dtype=torch.bfloat16, requires_grad=True)
     real_chunk = saved_bytes(lambda: moe(x[None]), list(moe.parameters()) + [x]).total
     assert max(held) == real_chunk
@@ -192,10 +211,80 @@ def test_moe_chunk_recompute_matches_a_real_backward(tiny, monkeypatch):
     # The plan (CUDA kernels' saves, lower than CPU eager's) scales from T to a chunk as the
     # real backward does (seen 0.407 and 0.400; 5%: the fixed per-chunk terms, the dispatch
     # padding and the router's histogram, are a different share of each).
-    planned = moe_chunk_bytes(args, 1, chunk).total / moe_chunk_bytes(args, 1, b * t).total
+    planned = ffn_chunk_bytes(args, 1, chunk).total / ffn_chunk_bytes(args, 1, b * t).total
     assert planned == pytest.approx(max(held) / real_all, rel=0.05)
     # And the plan's MoE layer holds that chunk in place of the whole layer's expert buffers.
     chunked = layer_activation_bytes(replace(args, moe_token_chunk=chunk), 1, b, t).total
     whole = layer_activation_bytes(args, 1, b, t).total
-    assert chunked == whole - moe_chunk_bytes(args, 1, b * t).total + moe_chunk_bytes(
+    assert chunked == whole - ffn_chunk_bytes(args, 1, b * t).total + ffn_chunk_bytes(
         args, 1, chunk).total
+
+
+def test_seq_segment_recomputes_match_a_real_backward(tiny, monkeypatch):
+    # Layer 0 (KDA + dense FFN) over 2 rows of 192 positions: 3 KDA segments of 64 positions
+    # each row, 6 FFN chunks of 64 of the 384 tokens.
+    args, b, t, segment = tiny.args, tiny.local_batch, 192, 64
+    segmented = replace(args, seq_segment=segment)
+    held = _piece_recomputes(segmented, 0, b, t, monkeypatch, (kda_module, token_chunks))
+    mixer_held, ffn_held = held[kda_module], held[token_chunks]
+    # Forward and the full-AC recompute hold nothing (but a segment's incoming state), then
+    # each piece's recompute in backward, the last first.
+    assert len(mixer_held) == 9 and max(mixer_held[:6]) < min(mixer_held[6:])
+    assert len(ffn_held) == 18 and max(ffn_held[:12]) == 0 < min(ffn_held[12:])
+    # Independent references: what a saved-tensor hook sees the whole sublayers save over one
+    # piece in an ordinary real forward. The FFN chunk's: equal to the byte.
+    whole = _layer(args, 0)
+    x = torch.randn(segment, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    assert max(ffn_held) == saved_bytes(lambda: whole.ffn(x[None]),
+                                        list(whole.ffn.parameters()) + [x]).total
+    # The first segment's (no state, no halo): the mixer's saves and the one copy that makes
+    # a segment of 2 rows (a strided view) contiguous, to the byte.
+    mixer = whole.mixer
+
+    def mixer_saves(positions: int) -> int:
+        x = torch.randn(b, positions, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        return saved_bytes(lambda: mixer(x), list(mixer.parameters()) + [x]).total
+
+    copy = b * segment * args.dim * 2
+    assert mixer_held[-1] == mixer_saves(segment) + copy
+    # The later ones add the incoming state and the conv's 3 halo rows: at most 3 / 64 more.
+    state = b * args.n_heads * args.head_dim**2 * 4
+    assert mixer_held[-1] < max(mixer_held) <= mixer_held[-1] * (1 + 3 / segment) + state
+    # The plan (CUDA kernels' saves) scales from T to a segment as the real backward does
+    # (seen 0.333 and 0.341).
+    planned = (mixer_segment_bytes(args, 0, b, segment).total
+               / mixer_segment_bytes(args, 0, b, t).total)
+    assert planned == pytest.approx(max(mixer_held) / mixer_saves(t), rel=0.05)
+
+
+def test_seq_segment_pieces_replace_the_whole_sublayers_in_the_plan(tiny):
+    """A hand count of the plan's layer 0 with segments: its saves unsegmented, less the whole
+    mixer's and FFN's, plus the larger piece's recompute and what the segments' checkpoints
+    save besides views of the layer's tensors: each later segment's incoming state (fp32
+    [B,H,K,V]) and conv taps (q, k and v: [B, conv - 1, H·K] bf16)."""
+    args, b, t, segment = tiny.args, tiny.local_batch, 192, 64
+    whole = layer_activation_bytes(args, 0, b, t)
+    got = layer_activation_bytes(replace(args, seq_segment=segment), 0, b, t)
+    inner = args.n_heads * args.head_dim
+    carried = (t // segment - 1) * (b * args.n_heads * args.head_dim**2 * 4
+                                    + 3 * b * (args.kda_conv_size - 1) * inner * 2)
+    pieces = [mixer_segment_bytes(args, 0, b, segment), ffn_chunk_bytes(args, 0, segment)]
+    one = max(pieces, key=lambda piece: piece.recompute)
+    assert got.total == (whole.total - mixer_segment_bytes(args, 0, b, t).total
+                         - ffn_chunk_bytes(args, 0, b * t).total + one.total + carried)
+    # The KDA op's backward workspace is one segment's.
+    assert got.workspace == pieces[0].workspace < whole.workspace
+    # An MLA layer has no segments: unchanged.
+    assert layer_activation_bytes(replace(args, seq_segment=segment), 2, b, t) == \
+        layer_activation_bytes(args, 2, b, t)
+
+
+def test_seq_segment_excludes_context_parallel_layouts(tmp_path):
+    path = tmp_path / "seg.toml"
+    path.write_text('[titan_moe]\nseq_segment = 64\n[training]\nseq_len = 256\n'
+                    '[parallelism]\ncontext_parallel_degree = 2\n')
+    with pytest.raises(ConfigError, match="parallelism.context_parallel_degree"):
+        load_plan_config(str(path))
+    path.write_text('[titan_moe]\nseq_segment = 64\n[training]\nseq_len = 256\n')
+    cfg = load_plan_config(str(path))
+    assert {e.cp for e in layouts(cfg, 8, parameter_counts(cfg.args), {})} == {1}

@@ -32,9 +32,12 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  over one 64K segment: op_workspace.py). Without AC, the largest transient;
                  with AC, the largest over layers of its recompute's saves + its transient,
                  + (B + 1) s (gradients of the residual sources) + the offloaded inputs brought
-                 back (s + 4 b t); a MoE layer in token chunks (titan_moe.moe_token_chunk = c)
-                 saves its input and, of its experts, one chunk's recompute: the layer
-                 unchunked over c tokens
+                 back (s + 4 b t); a sublayer run by checkpointed pieces saves their inputs
+                 and holds one piece's recompute at a time, so the layer adds its largest
+                 piece's: a MoE chunk (titan_moe.moe_token_chunk = c), the MoE unchunked over
+                 c tokens; a KDA segment (titan_moe.seq_segment = g), the mixer unsegmented
+                 over g positions of each row (its op's workspace over g); a dense-FFN chunk,
+                 the FFN over g tokens
     host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
     bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer
@@ -198,8 +201,10 @@ def load_plan_config(path: str) -> PlanConfig:
                      lambda on: not on or mode == "full",
                      "true (with activation_checkpoint.mode = 'full') or false")
     cp = _field(toml, "parallelism", "context_parallel_degree", int, 1,
-                lambda n: n >= 1 and not seq_len % (n * KDA_CHUNK_SIZE),
-                f"an integer >= 1 with seq_len a multiple of it x {KDA_CHUNK_SIZE}")
+                lambda n: n >= 1 and not seq_len % (n * KDA_CHUNK_SIZE)
+                and (n == 1 or not args.seq_segment),
+                f"an integer >= 1 with seq_len a multiple of it x {KDA_CHUNK_SIZE}, 1 with "
+                "titan_moe.seq_segment > 0")
     return PlanConfig(args, seq_len, training.get("local_batch_size", 8), mode, option,
                       loss_chunk, offload, cp)
 
@@ -271,12 +276,16 @@ def _flash_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
 _op_workspaces: list[int] = []
 
 
-def _kda_triton_op(q, k, v, g_raw, A_log, dt_bias, beta, g_min=-5.0, **kwargs):
+def _kda_triton_op(q, k, v, g_raw, A_log, dt_bias, beta, g_min=-5.0, output_final_state=False,
+                   **kwargs):
     batch, seq_len, heads, d_k = q.shape
     _op_workspaces.append(kda_backward_workspace(batch, seq_len, heads, d_k, v.shape[-1],
                                                  A_log is not None))
     kept = kda_kept_matrices(batch, seq_len, heads, q.device)
-    return _SavesForBackward.apply(v, q, k, v, g_raw, beta, A_log, dt_bias, *kept), None
+    # The state KDA segments pass on (model/kda.py), fp32 as the op returns it.
+    final = (q.new_empty(batch, heads, d_k, v.shape[-1], dtype=torch.float32)
+             if output_final_state else None)
+    return _SavesForBackward.apply(v, q, k, v, g_raw, beta, A_log, dt_bias, *kept), final
 
 
 def _grouped_gemm(x, w, offs, zero_padding_rows=True):
@@ -348,10 +357,12 @@ def _sources(args: TitanMoEArgs, n: int, batch: int, seq_len: int) -> list[torch
 
 def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_len: int) -> Saved:
     """What one decoder layer saves for backward (its inputs excluded), bf16 with fp32 islands:
-    under full AC, what its recompute holds in backward. Of a MoE layer in token chunks
-    (moe_token_chunk) the hook sees the chunks' inputs, which their checkpoints save; one
-    chunk's recompute, alive in the layer's backward, is added (without AC that is counted
-    per layer: high by a chunk's saves for every other MoE layer)."""
+    under full AC, what its recompute holds in backward. Of a sublayer run by checkpointed
+    pieces (a MoE layer in token chunks, moe_token_chunk; a KDA mixer in segments and a dense
+    FFN in chunks, seq_segment) the hook sees the pieces' inputs, which their checkpoints save
+    (views of the sublayer's input, and a segment's carried state and conv taps); the largest
+    piece's recompute, alive in the layer's backward one piece at a time, is added (without AC
+    that is counted per layer: high by a piece's saves for every other such layer)."""
     with torch.device("meta"):
         layer = _bf16_with_fp32_islands(DecoderLayer(layer_id, args))
     # Entering layer i: the embedding, every finished block and the partial sum.
@@ -359,22 +370,43 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
     params = list(layer.parameters())
     with _cuda_kernel_stand_ins():
         saved = saved_bytes(lambda: layer(sources[:-1], sources[-1], None), params + sources)
-    chunk = args.moe_token_chunk
-    if not (args.is_moe(layer_id) and 0 < chunk < batch * seq_len):
+    tokens, segment = batch * seq_len, args.seq_segment
+    chunk = args.moe_token_chunk if args.is_moe(layer_id) else segment
+    pieces = []
+    if 0 < chunk < tokens:
+        pieces.append(ffn_chunk_bytes(args, layer_id, chunk))
+    if not args.is_mla(layer_id) and 0 < segment < seq_len:
+        pieces.append(mixer_segment_bytes(args, layer_id, batch, segment))
+    if not pieces:
         return saved
-    one = moe_chunk_bytes(args, layer_id, chunk)
+    one = max(pieces, key=lambda piece: piece.recompute)
     return Saved(saved.total + one.total, max(saved.largest, one.largest),
                  max(saved.workspace, one.workspace))
 
 
-def moe_chunk_bytes(args: TitanMoEArgs, layer_id: int, chunk: int) -> Saved:
-    """What one token chunk's recompute saves (its input excluded): the MoE layer, unchunked,
-    over `chunk` tokens, its own padded dispatch buffer included."""
+def _whole(args: TitanMoEArgs, layer_id: int) -> DecoderLayer:
+    """The decoder layer with every sublayer run whole (no chunks, no segments)."""
     with torch.device("meta"):
-        moe = _bf16_with_fp32_islands(DecoderLayer(layer_id, replace(args, moe_token_chunk=0)).ffn)
+        return _bf16_with_fp32_islands(
+            DecoderLayer(layer_id, replace(args, moe_token_chunk=0, seq_segment=0)))
+
+
+def ffn_chunk_bytes(args: TitanMoEArgs, layer_id: int, chunk: int) -> Saved:
+    """What one token chunk's recompute saves (its input excluded): the layer's FFN (MoE or
+    dense), unchunked, over `chunk` tokens, a MoE's own padded dispatch buffer included."""
+    ffn = _whole(args, layer_id).ffn
     x = _sources(args, 1, 1, chunk)
     with _cuda_kernel_stand_ins():
-        return saved_bytes(lambda: moe(x[0]), list(moe.parameters()) + x)
+        return saved_bytes(lambda: ffn(x[0]), list(ffn.parameters()) + x)
+
+
+def mixer_segment_bytes(args: TitanMoEArgs, layer_id: int, batch: int, segment: int) -> Saved:
+    """What one KDA segment's recompute saves (its input excluded) and its op's backward
+    workspace: the mixer, unsegmented, over `segment` positions of each row."""
+    mixer = _whole(args, layer_id).mixer
+    x = _sources(args, 1, batch, segment)
+    with _cuda_kernel_stand_ins():
+        return saved_bytes(lambda: mixer(x[0]), list(mixer.parameters()) + x)
 
 
 def head_activation_bytes(args: TitanMoEArgs, batch: int, seq_len: int) -> Saved:
@@ -500,10 +532,11 @@ def cp_degrees(gpus: int, seq_len: int) -> list[int]:
 
 def layouts(cfg: PlanConfig, gpus: int, counts: ParamCounts,
             activations: dict[int, Activations]) -> list[Estimate]:
-    """Every EP layout, and every CP layout (CP runs without EP, as the trainer requires), of
-    `gpus` GPUs; `activations` caches them per CP degree."""
+    """Every EP layout, and every CP layout (CP runs without EP or KDA segments, as the trainer
+    requires), of `gpus` GPUs; `activations` caches them per CP degree."""
     degrees = [(ep, 1) for ep in ep_degrees(gpus, cfg.args.n_experts)]
-    degrees += [(1, cp) for cp in cp_degrees(gpus, cfg.seq_len)]
+    if not cfg.args.seq_segment:
+        degrees += [(1, cp) for cp in cp_degrees(gpus, cfg.seq_len)]
     rows = []
     for ep, cp in degrees:
         at = replace(cfg, cp=cp)
@@ -553,7 +586,8 @@ def print_plan(cfg: PlanConfig, gpus: int, gpu_mem_gb: float,
     print(f"{counts.total / 1e9:.1f}B parameters ({counts.experts / 1e9:.1f}B routed experts); "
           f"{cfg.local_batch}×{cfg.seq_len} tokens a CP group; AC {cfg.ac_mode}; loss_chunk "
           f"{cfg.loss_chunk or 'none (full logits)'}; MoE token chunk "
-          f"{cfg.args.moe_token_chunk or 'none'}; activation offload "
+          f"{cfg.args.moe_token_chunk or 'none'}; sequence segment "
+          f"{cfg.args.seq_segment or 'none'}; activation offload "
           f"{'on' if cfg.offload else 'off'}; GB per GPU (fits: peak <= {HEADROOM:.0%} of "
           f"{gpu_mem_gb:g} GB and host <= {HOST_HEADROOM:.0%} of {host_mem_gb:.1f} GB)")
     print("| GPUs | EP | CP | dp | params | grads | optimizer | working | activations | peak "
