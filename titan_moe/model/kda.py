@@ -73,6 +73,8 @@ class KimiDeltaAttention(nn.Module):
     # (titan_moe/parallel/context_parallel.py) replaces them per instance with versions that
     # exchange the conv halo and the state. sequence_conv_act(x, weight, doc_ids, head_dim) is
     # the short convolution: causal conv, SiLU and (head_dim) the per-head L2 norm of q and k.
+    # Segments (seq_segment) call them per segment, the recurrence with initial_state and
+    # output_final_state, which context parallelism's does not take: the two exclude each other.
     sequence_conv_act = staticmethod(short_conv)
     sequence_recurrence = staticmethod(chunk_kda_fused_gate)
 
