@@ -83,13 +83,14 @@ def timed_launch(launch: dict, setting: dict, device: str, iters: int) -> float 
 
 
 def own_setting(launch: dict) -> dict:
-    """The op's own launch: its warps, its scan depth or Triton's default 3 stages, its
-    operands."""
+    """The op's own launch: its warps, its scan depth, its num_stages or Triton's default 3,
+    its operands."""
     operand = "-"
     if has_operand(launch):
         operand = "tf32" if launch["kwargs"]["OPERAND"] == "tf32" else "bf16"
     return {"num_warps": launch["kwargs"]["num_warps"],
-            "num_stages": launch["kwargs"].get("STAGES", 3), "operand": operand}
+            "num_stages": launch["kwargs"].get("STAGES", launch["kwargs"].get("num_stages", 3)),
+            "operand": operand}
 
 
 def label(setting: dict) -> str:

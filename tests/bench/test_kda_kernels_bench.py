@@ -35,10 +35,11 @@ def test_records_the_op_launches_and_times_each_setting(tmp_path):
     assert [r["launch"] for r in rows] == LAUNCHES
     for r in rows:
         # fp32 inputs on CPU: IEEE GEMMs, so no operand setting; the op's own warps and stages
-        # (the scans' loop depth, Triton's default 3 elsewhere).
+        # (the scans' loop depth, a kernel's own num_stages, else Triton's default 3).
         assert list(r["ms"]) == ["- w2 s1", "- w4 s1"], r["ms"]
         assert all(isinstance(ms, float) and ms > 0 for ms in r["ms"].values())
         kernel = r["launch"].split("#")[0]
-        stages = chunk_triton.SCAN_STAGES if kernel in SCANS else 3
+        stages = (chunk_triton.SCAN_STAGES if kernel in SCANS
+                  else chunk_triton.NUM_STAGES.get(kernel, 3))
         assert r["own"] == f"- w{chunk_triton.NUM_WARPS[kernel]} s{stages}" and r["own_ms"] > 0
         assert r["best_ms"] == min(r["ms"].values()) and r["ms"][r["best"]] == r["best_ms"]

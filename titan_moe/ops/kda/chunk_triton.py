@@ -61,10 +61,13 @@ MAX_HEAD_DIM = 256
 GEMMS = "bf16"
 # Pipeline stages of the scans' chunk loops (bench/kda_kernels.py times other depths).
 SCAN_STAGES = 2
-# Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts).
+# Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts). On the
+# H100 (2026-12-05) tile_products took 0.29 ms alone at 4 warps and 1 stage against 1.05 at 8
+# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (48 B of
+# spills at 2 warps on sm_90, still faster: its programs are small and many).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
-    "tile_products_kernel": 8,
+    "tile_products_kernel": 4,
     "unit_lower_inverse_kernel": 1,
     "ut_transform_kernel": 8,
     "state_scan_fwd_kernel": 8,
@@ -73,9 +76,11 @@ NUM_WARPS = {
     "state_scan_bwd_kernel": 8,
     "state_terms_bwd_kernel": 8,
     "ut_transform_bwd_kernel": 8,
-    "tile_products_bwd_kernel": 4,
+    "tile_products_bwd_kernel": 2,
     "gate_cumsum_bwd_kernel": 4,
 }
+# Pipeline stages of a kernel's loops where not Triton's default 3 (the scans: SCAN_STAGES).
+NUM_STAGES = {"tile_products_kernel": 1}
 
 
 def _precise(x: Tensor) -> str:
@@ -132,6 +137,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
             H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
             OPERAND=operand,
             num_warps=NUM_WARPS["tile_products_kernel"],
+            num_stages=NUM_STAGES["tile_products_kernel"],
         )  # fmt: skip
         wrap_triton(unit_lower_inverse_kernel)[(n_chunks, batch * heads)](
             KK, beta, Tinv, seq_len, H=heads, C=CHUNK, SUBTILE=SUBTILE, PRECISION=_precise(q),

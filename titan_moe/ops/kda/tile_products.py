@@ -11,8 +11,8 @@ range); blocks after the tile are zero and cost no GEMM. Rounding the factored o
 2^-9 of each term: over bf16 inputs, the op as it is, the output's error is at most 3.5e-3
 relative RMS against float64 (bound 5e-3; 1.7e-3, its own rounding to bf16, on fp32 operands),
 under the interpreter rounding to bf16 as the GPU does (chunk_common.round_to_bf16). So no GEMM
-is masked down to 16 rows, and the tiles are small (118 registers a thread at 8 warps on sm_90,
-two programs an SM; bench/kda_compile.py).
+is masked down to 16 rows, and the tiles are small (162 registers a thread at 4 warps and one
+stage on sm_90, no spill; bench/kda_compile.py).
 """
 
 import triton
@@ -91,8 +91,9 @@ def tile_products_bwd_kernel(
     takes its tile's rows against the columns before the tile (referenced at the tile's first
     row n), its tile's columns against the rows after it (referenced at the first row m after
     the tile) and the tile against itself (at n), one 16-row block of the chunk at a time (16 x
-    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 167 registers a thread at 4 warps, 3
-    programs an SM on sm_90), each GEMM on fp32 operands (PRECISION: tf32 for bf16 inputs).
+    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 255 registers a thread and 48 B of spills
+    at 2 warps on sm_90, faster than 167 registers at 4 on the H100), each GEMM on fp32
+    operands (PRECISION: tf32 for bf16 inputs).
     bf16 operands would fit the first two (factors <= 1), but the row and column terms of dG
     cancel in sum (the products depend on differences of G only), and their rounding then
     piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.3e-4 to
