@@ -85,9 +85,9 @@ def _naive_latent_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
         z = moe.w_down.weight @ x_t
         u = torch.zeros_like(z)
         for e in chosen:
-            h = _situ_glu_formula(z @ experts.w1[e], z @ experts.w3[e])
+            h = _situ_glu_formula(experts.w1[e] @ z, experts.w3[e] @ z)
             p_e = s[e] / sum(s[j] for j in chosen) * router.route_scale
-            u = u + p_e * (h @ experts.w2[e])
+            u = u + p_e * (experts.w2[e] @ h)
         normed = u / torch.sqrt(u.square().mean() + moe.norm.eps) * moe.norm.weight
         y = moe.w_up.weight @ normed
         if moe.shared is not None:

@@ -35,7 +35,11 @@ from titan_moe.ops.moe_dispatch import moe_combine, moe_dispatch
 
 
 class GroupedExperts(nn.Module):
-    """E SiTU-GLU experts stored stacked, laid out [E, in, out] for grouped_mm."""
+    """E SiTU-GLU experts stored stacked as nn.Linear stores a weight, [E, out, in]; grouped_mm
+    takes each as its transpose [E, in, out], a column-major view. torchao's float8 grouped GEMM
+    asserts that layout for its second operand ("B must be column-major": H100, torchao 0.18,
+    2026-12-05), and torch._grouped_mm takes either (torchtitan's experts, stored this way, took
+    the same GEMM time as ours stored [E, in, out] in bench/moe.py on the H100)."""
 
     def __init__(
         self, n_experts: int, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0
@@ -43,9 +47,9 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.beta1 = beta1
         self.beta2 = beta2
-        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [M, dim] with rows grouped by expert, offs [E] int32 cumulative group ends -> [M, dim].
@@ -54,10 +58,10 @@ class GroupedExperts(nn.Module):
         offs[-1] are not computed: their output, and the gradient of x there, are unspecified
         (uninitialised on the torch._grouped_mm path), so callers must not read them.
         """
-        a = grouped_mm(x, self.w1, offs, zero_padding_rows=False)
-        b = grouped_mm(x, self.w3, offs, zero_padding_rows=False)
+        a = grouped_mm(x, self.w1.mT, offs, zero_padding_rows=False)
+        b = grouped_mm(x, self.w3.mT, offs, zero_padding_rows=False)
         h = situ_glu(a, b, self.beta1, self.beta2)
-        return grouped_mm(h, self.w2, offs, zero_padding_rows=False)
+        return grouped_mm(h, self.w2.mT, offs, zero_padding_rows=False)
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for w, std in ((self.w1, init_std), (self.w3, init_std), (self.w2, out_init_std)):
