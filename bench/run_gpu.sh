@@ -48,11 +48,13 @@ step moe_dispatch python3 bench/moe_dispatch.py --out "$out/moe_dispatch.json"
 step qb_route python3 bench/qb_route.py --out "$out/qb_route.json"
 step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
-# Issue 22: compiled, full AC; with the saved layer inputs offloaded and the MoE layers in token
-# chunks the plan expects 512K to fit one H200 (113.8 GiB) and 1M not (218 GiB); each row
-# carries planned / measured, and its peak memory by phase (--phase-peaks) beside the plan's.
+# Issue 22: compiled, full AC; with the saved layer inputs offloaded, the MoE layers in token
+# chunks and KDA and the dense FFN in segments, the plan expects 512K to fit one H200 (84.8 GiB)
+# and 1M not (158.5 GiB: an MLA layer's recompute); each row carries planned / measured, and its
+# peak memory by phase (--phase-peaks) beside the plan's.
 step long_context python3 bench/long_context.py --compile --offload --moe-chunk 65536 \
-    --lengths 8192,65536,262144,524288,1048576 --phase-peaks --out "$out/long_context.json"
+    --seq-segment 65536 --lengths 8192,65536,262144,524288,1048576 --phase-peaks \
+    --out "$out/long_context.json"
 # Issue 22.4: the stage chain at 8K -> 16K -> 32K -> 64K, 30 steps each, resuming stage to stage;
 # the long-context evaluation of each stage lands in its TensorBoard folder.
 step stage_chain bash -c "python3 scripts/short_stages.py --steps 30 --out $out/stages && \
