@@ -1,8 +1,8 @@
-"""Sequence segments (titan_moe.seq_segment): the KDA mixer by segments of positions and the
-dense FFN by chunks of tokens, each under its own checkpoint, against the same sublayers run
-whole (the independent reference), in float64 on CPU: outputs and every gradient (input and
-parameters) agree to SEGMENT_TOL of the largest magnitude. The segmented model still traces
-with torch.compile(fullgraph=True) and matches eager."""
+"""Sequence segments (titan_moe.seq_segment): the KDA mixer by segments of positions, the MLA
+mixer by query segments and the dense FFN by chunks of tokens, each under its own checkpoint,
+against the same sublayers run whole (the independent reference), in float64 on CPU: outputs
+and every gradient (input and parameters) agree to SEGMENT_TOL of the largest magnitude. The
+segmented model still traces with torch.compile(fullgraph=True) and matches eager."""
 
 import dataclasses
 
@@ -12,17 +12,19 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model import kda as kda_module
+from titan_moe.model import mla as mla_module
 from titan_moe.model import token_chunks
 from titan_moe.model.args import TitanMoEArgs, get_flavor
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.kda import KimiDeltaAttention
+from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.model.situ_glu import SiTUGLU
 from titan_moe.parallel.context_parallel import apply_context_parallel
 
 # float64, relative to each tensor's largest magnitude (at least 1): seen 1.7e-15 (1.9e-13
 # absolute; weight-gradient sums ordered by segment). Dropping the state's restart at a
-# document that starts on a segment boundary gives 56 absolute.
+# document that starts on a segment boundary gives 56 absolute. MLA: seen 5.6e-16.
 SEGMENT_TOL = 1e-12
 # float32, eager against the compiled (aot_eager) model, relative: seen 0.
 COMPILE_TOL = 1e-6
@@ -47,6 +49,12 @@ def _documents() -> torch.Tensor:
 
 def _kda(args: TitanMoEArgs) -> KimiDeltaAttention:
     layer = KimiDeltaAttention(args)
+    layer.init_weights(args.init_std, args.init_std)
+    return layer
+
+
+def _mla(args: TitanMoEArgs) -> GatedMLA:
+    layer = GatedMLA(args)
     layer.init_weights(args.init_std, args.init_std)
     return layer
 
@@ -85,11 +93,11 @@ def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float)
 
 
 def _count_checkpoints(monkeypatch, module) -> list[int]:
-    """The lengths (dim 1 for KDA segments, dim 0 for token chunks) module's checkpoints run."""
+    """The lengths (dim 1 for mixer segments, dim 0 for token chunks) module's checkpoints run."""
     sizes = []
 
     def counted(fn, x, *args, **kwargs):
-        sizes.append(x.shape[1] if module is kda_module else x.shape[0])
+        sizes.append(x.shape[0] if module is token_chunks else x.shape[1])
         return checkpoint(fn, x, *args, **kwargs)
 
     monkeypatch.setattr(module, "checkpoint", counted)
@@ -106,6 +114,24 @@ def test_kda_segments_match_the_whole_layer(documents, monkeypatch):
     sizes = _count_checkpoints(monkeypatch, kda_module)
     got = _step(segmented, (x, doc), grad_out)
     assert sizes == [64, 64, 32]
+    _assert_close(got, want, SEGMENT_TOL)
+
+
+@pytest.mark.parametrize("documents", [True, False], ids=["documents", "no-doc-ids"])
+def test_mla_segments_match_the_whole_layer(documents, monkeypatch):
+    """Query segments of 64, 64 and 32 against their causal prefixes of 64, 128 and 160 keys."""
+    whole, segmented = _twins(_mla)
+    x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
+    doc = _documents() if documents else None
+    grad_out = torch.randn(B, T, 32, dtype=torch.float64)
+    want = _step(whole, (x, doc), grad_out)
+    keys = []
+    attention = segmented.attention
+    segmented.attention = lambda q, k, *rest: keys.append(k.shape[1]) or attention(q, k, *rest)
+    sizes = _count_checkpoints(monkeypatch, mla_module)
+    got = _step(segmented, (x, doc), grad_out)
+    # Forward, then each segment's recompute in backward, the last first.
+    assert sizes == [64, 64, 32] and keys == [64, 128, 160, 160, 128, 64]
     _assert_close(got, want, SEGMENT_TOL)
 
 
@@ -139,9 +165,10 @@ def test_dense_ffn_chunks_match_the_unchunked_ffn(monkeypatch):
     _assert_close(got, want, SEGMENT_TOL)
 
 
-def test_decoding_ignores_segments():
+@pytest.mark.parametrize("make", [_kda, _mla], ids=["kda", "mla"])
+def test_decoding_ignores_segments(make):
     # The decode path carries its own state: a prefill through it equals the whole forward.
-    whole, segmented = _twins(_kda)
+    whole, segmented = _twins(make)
     x = torch.randn(B, T, 32, dtype=torch.float64)
     with torch.no_grad():
         got = segmented(x, cache=segmented.new_cache(B))

@@ -125,10 +125,12 @@ class TitanMoEArgs(BaseModelArgs):
     # its own activation checkpoint, so backward holds one chunk's expert buffers; 0: no chunks.
     moe_token_chunk: int = 0
     # Long context: run each KDA mixer by segments of this many positions of each row (the
-    # recurrent state and the conv taps carried from one to the next) and each dense FFN by
-    # chunks of this many flattened tokens, every segment under its own activation checkpoint,
-    # so backward holds one segment's intermediates; 0: whole sequences. A multiple of the KDA
-    # chunk (64); no context parallelism (it replaces the mixer's sequence steps).
+    # recurrent state and the conv taps carried from one to the next), each MLA mixer by query
+    # segments of this many positions (each against its causal prefix's keys, up-projected
+    # again per segment from the latents computed once) and each dense FFN by chunks of this
+    # many flattened tokens, every segment under its own activation checkpoint, so backward
+    # holds one segment's intermediates; 0: whole sequences. A multiple of the KDA chunk (64);
+    # no context parallelism (it replaces the mixers' sequence steps).
     seq_segment: int = 0
 
     # Vision tower (spec §7): "none" (text only) or a VISION_FLAVORS name; the two patch

@@ -9,6 +9,16 @@
 NoPE: the rope part is kept and scored but never rotated, so no position enters attention.
 Packed documents are masked from each other through `doc_ids`.
 
+Long context (`seq_segment` > 0, training): the latents [c_kv | k_rope] are computed once for
+the whole sequence; then each query segment of seq_segment positions runs under its own
+non-reentrant checkpoint: its q, its causal prefix's keys and values up-projected from the
+prefix's latents (static shapes: the whole prefix), attention with the segment's queries the
+last of the prefix's keys, the gate and W_o. A backward (and a full-AC recompute around the
+layer) then holds one segment's q, gate and attention output and one prefix's k and v instead
+of all T positions'. The cost: each segment re-up-projects its whole prefix, about T / (2N)
+times the kv up-projection's FLOPs (and its recompute) in all. Outputs and gradients equal the
+whole layer's up to the order of sums.
+
 Decoding (`cache`, an MLACache) keeps only [RMSNorm(c_kv) | k_rope] per token and attends in the
 absorbed form: with W_kvb = [W_uk; W_uv] per head, q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and
 Σ p W_uv c = W_uv Σ p c, so one latent "head" serves as key and value for every query head.
@@ -25,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.norm import RMSNorm
@@ -105,6 +116,7 @@ class GatedMLA(nn.Module):
         self.rope = args.qk_rope_head_dim
         self.v_dim = args.v_head_dim
         self.kv_lora = args.kv_lora_rank
+        self.seq_segment = args.seq_segment
         qk = self.nope + self.rope
         self.scale = qk**-0.5
         self.w_qa = nn.Linear(args.dim, args.q_lora_rank, bias=False)
@@ -129,10 +141,43 @@ class GatedMLA(nn.Module):
             return self._forward_static(x, cache, valid)
         if cache is not None:
             return self._forward_absorbed(x, cache, valid)
+        c_kv, k_rope, kv_doc_ids = self.latent_prefix(self.w_kva(x), doc_ids)
+        if 0 < self.seq_segment < x.shape[1]:
+            return self._forward_by_segments(x, doc_ids, c_kv, k_rope, kv_doc_ids)
+        return self._segment(x, doc_ids, c_kv, k_rope, kv_doc_ids)
+
+    def _forward_by_segments(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None, c_kv: torch.Tensor,
+        k_rope: torch.Tensor, kv_doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """forward over query segments of seq_segment positions, each under its own checkpoint
+        against the keys of its causal prefix."""
+        # The keys may begin before x's first position (latent_prefix's causal prefix).
+        offset = c_kv.shape[1] - x.shape[1]
+        outputs, start = [], 0
+        for xs in x.split(self.seq_segment, 1):  # split: its backward is one cat
+            end = start + xs.shape[1]
+            keys = offset + end
+            docs = None if doc_ids is None else doc_ids[:, start:end]
+            kv_docs = None if kv_doc_ids is None else kv_doc_ids[:, :keys]
+            # The layer draws no random numbers: no RNG state to save and restore.
+            outputs.append(checkpoint(self._segment, xs, docs, c_kv[:, :keys], k_rope[:, :keys],
+                                      kv_docs, use_reentrant=False, preserve_rng_state=False))
+            start = end
+        return torch.cat(outputs, 1)
+
+    def _segment(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None, c_kv: torch.Tensor,
+        k_rope: torch.Tensor, kv_doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The layer's queries x [B,T,d] (documents doc_ids) against the keys' latents c_kv,
+        k_rope [B,S,·] (documents kv_doc_ids), S >= T: the queries are the last T keys."""
+        # A segment of rows > 1 is a strided view: one copy the projections share, where each
+        # would copy it for its GEMM (and save its copy).
+        x = x.contiguous()
         b, t, _ = x.shape
         h = self.n_heads
         q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
-        c_kv, k_rope, kv_doc_ids = self.latent_prefix(self.w_kva(x), doc_ids)
         s = c_kv.shape[1]
         kv = self.w_kvb(self.kv_norm(c_kv)).view(b, s, h, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
