@@ -12,9 +12,10 @@ varlen kernel with document masking (no [T, T] mask), and the trainer's chunked 
 the head by chunks of --loss-chunk positions, so the [T, vocab] logits never exist), and with
 --moe-chunk the MoE layers by token chunks under their own checkpoints (titan_moe.moe_token_chunk:
 one chunk's expert buffers alive in backward), and with --seq-segment the KDA mixers by segments
-of positions (the recurrent state and conv taps carried between them) and the dense FFN by token
-chunks, each under its own checkpoint (titan_moe.seq_segment: a layer's recompute holds one
-segment's projections, conv outputs and gates instead of all T positions'). Parameters are
+of positions (the recurrent state and conv taps carried between them), the MLA mixers by query
+segments (each against its causal prefix's keys) and the dense FFN by token chunks, each under
+its own checkpoint (titan_moe.seq_segment: a layer's recompute holds one segment's projections,
+conv outputs and gates instead of all T positions'). Parameters are
 bf16 (FSDP's param_dtype in training; no fp32 master copy or optimizer state is held here).
 Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and

@@ -15,6 +15,7 @@ from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from titan_moe.model import kda as kda_module
+from titan_moe.model import mla as mla_module
 from titan_moe.model import token_chunks
 from titan_moe.model.args import ConfigError
 from titan_moe.model.model import DecoderLayer, TitanMoE
@@ -32,6 +33,7 @@ from titan_moe.plan.memory import (
     layouts,
     load_plan_config,
     mixer_segment_bytes,
+    mla_segment_bytes,
     parameter_counts,
     saved_bytes,
 )
@@ -274,9 +276,52 @@ def test_seq_segment_pieces_replace_the_whole_sublayers_in_the_plan(tiny):
                          - ffn_chunk_bytes(args, 0, b * t).total + one.total + carried)
     # The KDA op's backward workspace is one segment's.
     assert got.workspace == pieces[0].workspace < whole.workspace
-    # An MLA layer has no segments: unchanged.
-    assert layer_activation_bytes(replace(args, seq_segment=segment), 2, b, t) == \
-        layer_activation_bytes(args, 2, b, t)
+
+
+def test_mla_segment_recompute_matches_a_real_backward(tiny, monkeypatch):
+    # Layer 2 (MLA) over 2 rows of 192 positions: query segments of 64 against 64, 128 and 192
+    # keys.
+    args, b, t, segment = tiny.args, tiny.local_batch, 192, 64
+    held = _piece_recomputes(replace(args, seq_segment=segment), 2, b, t, monkeypatch,
+                             (mla_module,))[mla_module]
+    # The latents [c_kv | k_rope] of all t positions, an input of every segment, count once an
+    # op inside views them (k_rope's unsqueeze). Forward and the full-AC recompute hold nothing
+    # else, then each segment's recompute in backward, the last (the most keys) first.
+    latent_bytes = b * t * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    assert len(held) == 9 and held[:6] == [latent_bytes] * 6
+    assert latent_bytes < held[8] < held[7] < held[6]
+    # Independent reference: what a saved-tensor hook sees the unsegmented layer save in an
+    # ordinary real forward of the last segment's queries, the keys' latents of all t positions
+    # given through the latent_prefix seam (as context parallelism gives a shard its causal
+    # prefix), and the one copy that makes a segment of 2 rows (a strided view) contiguous; to
+    # the byte.
+    mixer = _layer(args, 2).mixer
+    latent = torch.randn(b, t, mixer.kv_lora + mixer.rope, dtype=torch.bfloat16,
+                         requires_grad=True)
+    mixer.latent_prefix = lambda _, doc_ids: (
+        *latent.split([mixer.kv_lora, mixer.rope], dim=-1), doc_ids)
+    x = torch.randn(b, segment, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    copy = b * segment * args.dim * 2
+    assert held[6] == saved_bytes(lambda: mixer(x),
+                                  list(mixer.parameters()) + [x, latent]).total + copy + \
+        latent_bytes
+
+
+def test_mla_segments_replace_the_whole_mixer_in_the_plan(tiny):
+    """A hand count of the plan's MLA layer with segments: its saves unsegmented, less the whole
+    mixer's, plus the latents [c_kv | k_rope] the segments' checkpoints save and the last
+    segment's recompute, which grows by a fixed cost a query and, at one segment of all t
+    positions, is the whole mixer's less the latents."""
+    args, b, t, segment = tiny.args, tiny.local_batch, 192, 64
+    whole = layer_activation_bytes(args, 2, b, t)
+    got = layer_activation_bytes(replace(args, seq_segment=segment), 2, b, t)
+    latent = b * t * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    mixer = mixer_segment_bytes(args, 2, b, t).total  # the whole mixer over t positions
+    last = mla_segment_bytes(args, 2, b, segment, t)
+    assert got.total == whole.total - mixer + latent + last.total
+    assert mla_segment_bytes(args, 2, b, t, t).total == mixer - latent
+    by_queries = [mla_segment_bytes(args, 2, b, n, t).total for n in (64, 128, 192)]
+    assert by_queries[2] - by_queries[1] == by_queries[1] - by_queries[0] > 0
 
 
 def test_seq_segment_excludes_context_parallel_layouts(tmp_path):

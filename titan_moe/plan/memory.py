@@ -36,8 +36,9 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  and holds one piece's recompute at a time, so the layer adds its largest
                  piece's: a MoE chunk (titan_moe.moe_token_chunk = c), the MoE unchunked over
                  c tokens; a KDA segment (titan_moe.seq_segment = g), the mixer unsegmented
-                 over g positions of each row (its op's workspace over g); a dense-FFN chunk,
-                 the FFN over g tokens
+                 over g positions of each row (its op's workspace over g); an MLA query
+                 segment, the last: g queries against all t keys, up-projected from the
+                 latents; a dense-FFN chunk, the FFN over g tokens
     host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
     bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer
@@ -358,9 +359,10 @@ def _sources(args: TitanMoEArgs, n: int, batch: int, seq_len: int) -> list[torch
 def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_len: int) -> Saved:
     """What one decoder layer saves for backward (its inputs excluded), bf16 with fp32 islands:
     under full AC, what its recompute holds in backward. Of a sublayer run by checkpointed
-    pieces (a MoE layer in token chunks, moe_token_chunk; a KDA mixer in segments and a dense
-    FFN in chunks, seq_segment) the hook sees the pieces' inputs, which their checkpoints save
-    (views of the sublayer's input, and a segment's carried state and conv taps); the largest
+    pieces (a MoE layer in token chunks, moe_token_chunk; a KDA or MLA mixer in segments and a
+    dense FFN in chunks, seq_segment) the hook sees the pieces' inputs, which their checkpoints
+    save (views of the sublayer's input and of MLA's latents, and a KDA segment's carried state
+    and conv taps); the largest
     piece's recompute, alive in the layer's backward one piece at a time, is added (without AC
     that is counted per layer: high by a piece's saves for every other such layer)."""
     with torch.device("meta"):
@@ -375,8 +377,10 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
     pieces = []
     if 0 < chunk < tokens:
         pieces.append(ffn_chunk_bytes(args, layer_id, chunk))
-    if not args.is_mla(layer_id) and 0 < segment < seq_len:
-        pieces.append(mixer_segment_bytes(args, layer_id, batch, segment))
+    if 0 < segment < seq_len:
+        pieces.append(mla_segment_bytes(args, layer_id, batch, segment, seq_len)
+                      if args.is_mla(layer_id) else
+                      mixer_segment_bytes(args, layer_id, batch, segment))
     if not pieces:
         return saved
     one = max(pieces, key=lambda piece: piece.recompute)
@@ -407,6 +411,21 @@ def mixer_segment_bytes(args: TitanMoEArgs, layer_id: int, batch: int, segment: 
     x = _sources(args, 1, batch, segment)
     with _cuda_kernel_stand_ins():
         return saved_bytes(lambda: mixer(x[0]), list(mixer.parameters()) + x)
+
+
+def mla_segment_bytes(args: TitanMoEArgs, layer_id: int, batch: int, segment: int,
+                      seq_len: int) -> Saved:
+    """What the largest MLA query segment's recompute saves (its inputs excluded): the last one,
+    `segment` queries of each row against the keys of all seq_len positions, up-projected from
+    their latents [c_kv | k_rope] (an input: computed once for the whole sequence)."""
+    mixer = _whole(args, layer_id).mixer
+    x = _sources(args, 1, batch, segment)[0]
+    latent = torch.empty(batch, seq_len, mixer.kv_lora + mixer.rope, device="meta",
+                         dtype=mixer.w_kva.weight.dtype, requires_grad=True)
+    c_kv, k_rope = latent.split([mixer.kv_lora, mixer.rope], dim=-1)
+    with _cuda_kernel_stand_ins():
+        return saved_bytes(lambda: mixer._segment(x, None, c_kv, k_rope, None),
+                           list(mixer.parameters()) + [x, latent])
 
 
 def head_activation_bytes(args: TitanMoEArgs, batch: int, seq_len: int) -> Saved:
