@@ -131,6 +131,21 @@ def test_mla_segments_attend_to_their_causal_prefixes():
     assert shapes == [(64, 64), (64, 128), (32, 160), (32, 160), (64, 128), (64, 64)]
 
 
+def test_mla_segments_keep_the_latent_prefix_seam():
+    """Context parallelism's seam: latent_prefix puts an earlier shard's keys before x's. By
+    segments x's queries still see their whole causal prefix: the whole layer over both."""
+    whole, segmented = _twins(_mla)
+    x = torch.randn(B, T, 32, dtype=torch.float64)
+    doc, cut = _documents(), 48  # x[:, 48:] is this shard: segments of 64 and 48
+    earlier = segmented.w_kva(x[:, :cut])
+    segmented.latent_prefix = lambda latent, _: (
+        *torch.cat([earlier, latent], 1).split([segmented.kv_lora, segmented.rope], -1), doc)
+    with torch.no_grad():
+        got = segmented(x[:, cut:], doc[:, cut:])
+        want = whole(x, doc)[:, cut:]
+    _assert_close([got], [want], SEGMENT_TOL)
+
+
 def test_decoder_layer_segments_match_inside_full_ac(monkeypatch):
     """Layer 0 (KDA mixer, dense FFN) under a full-AC checkpoint, as the trainer runs it: its
     recompute re-runs the segments' and the chunks' checkpoints."""
