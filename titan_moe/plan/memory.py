@@ -362,9 +362,9 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
     pieces (a MoE layer in token chunks, moe_token_chunk; a KDA or MLA mixer in segments and a
     dense FFN in chunks, seq_segment) the hook sees the pieces' inputs, which their checkpoints
     save (views of the sublayer's input and of MLA's latents, and a KDA segment's carried state
-    and conv taps); the largest
-    piece's recompute, alive in the layer's backward one piece at a time, is added (without AC
-    that is counted per layer: high by a piece's saves for every other such layer)."""
+    and conv taps); the largest piece's recompute, alive in the layer's backward one piece at a
+    time, is added (without AC that is counted per layer: high by a piece's saves for every
+    other such layer)."""
     with torch.device("meta"):
         layer = _bf16_with_fp32_islands(DecoderLayer(layer_id, args))
     # Entering layer i: the embedding, every finished block and the partial sum.
