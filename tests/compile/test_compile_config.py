@@ -145,7 +145,7 @@ def test_passes_off_compile_without_our_post_pass(tmp_path, monkeypatch):
     assert counts == dict.fromkeys(PASS_NAMES, 0), counts
 
 
-def test_cudagraphs_are_off_by_default_and_refused_with_cp_and_checkpointing(tmp_path):
+def test_cudagraphs_are_off_by_default_and_refused_with_cp_checkpointing_and_segments(tmp_path):
     assert parse_job_config([]).compile.cudagraphs is False
     no_ac = ("--activation_checkpoint.mode", "none")
     assert _config(tmp_path, "cudagraphs = true", no_ac).compile.cudagraphs is True
@@ -154,6 +154,8 @@ def test_cudagraphs_are_off_by_default_and_refused_with_cp_and_checkpointing(tmp
     assert "compile.cudagraphs with parallelism.context_parallel_degree > 1" in message
     message = _error(tmp_path, "cudagraphs = true", ("--activation_checkpoint.mode", "full"))
     assert "compile.cudagraphs with activation_checkpoint.mode = 'full' is not supported" in message
+    message = _error(tmp_path, "cudagraphs = true", ("--titan_moe.seq_segment", "64", *no_ac))
+    assert "compile.cudagraphs with titan_moe.seq_segment > 0 is not supported" in message
 
 
 def test_cudagraphs_graph_every_region_and_give_the_mixers_the_static_layout(tmp_path,

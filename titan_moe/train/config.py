@@ -365,6 +365,12 @@ def _check_compile(job_config: Any) -> None:
             raise ConfigError("compile.cudagraphs with parallelism.context_parallel_degree > 1 "
                               "is not supported (the KDA state exchange runs eagerly); set "
                               "compile.cudagraphs = false")
+        if _model_field(job_config, _flavor_args(job_config), "seq_segment", 0):
+            # Each later MLA segment attends a longer key prefix than its queries, off the
+            # static-layout attention that CUDA graphs need; and the segments are checkpoints.
+            raise ConfigError("compile.cudagraphs with titan_moe.seq_segment > 0 is not "
+                              "supported; allowed: seq_segment = 0 (or set compile.cudagraphs = "
+                              "false)")
         if job_config.activation_checkpoint.mode != "none":
             # Recomputation would replay forward graphs inside the backward: untested.
             raise ConfigError("compile.cudagraphs with activation_checkpoint.mode = "
