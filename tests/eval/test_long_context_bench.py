@@ -59,27 +59,39 @@ def test_offload_step_runs_on_cpu_and_rows_carry_the_plan(tmp_path, monkeypatch)
     assert losses[True] == losses[False]
 
 
+def _planned(bench, monkeypatch, field: str) -> list:
+    """The model field `field` of every plan the bench asks bench_estimate for, as it asks."""
+    planned, plan = [], bench.bench_estimate
+
+    def recording(cfg, *args):
+        planned.append(getattr(cfg.args, field))
+        return plan(cfg, *args)
+
+    monkeypatch.setattr(bench, "bench_estimate", recording)
+    return planned
+
+
+def _checkpointed_sizes(monkeypatch, module, dim: int) -> list[int]:
+    """The size along `dim` of the first input of every checkpoint `module` runs on real
+    tensors (the plan runs the layers on meta), as they run."""
+    sizes = []
+
+    def counted(fn, x, *args, **kwargs):
+        if not x.is_meta:
+            sizes.append(x.shape[dim])
+        return checkpoint(fn, x, *args, **kwargs)
+
+    monkeypatch.setattr(module, "checkpoint", counted)
+    return sizes
+
+
 def test_moe_chunk_reaches_the_model_and_the_plan(tmp_path, monkeypatch):
     # A real CPU step with the MoE layer in chunks of 48 tokens (64 and 128 are no multiples):
     # the same loss as unchunked (float32; the chunks' weight-gradient sums are ordered
     # differently, the loss itself is per token: 1e-6 relative), the plan given the chunk.
     bench = load_bench("long_context")
-    planned_chunks = []
-    plan = bench.bench_estimate
-
-    def recording(cfg, *args):
-        planned_chunks.append(cfg.args.moe_token_chunk)
-        return plan(cfg, *args)
-
-    monkeypatch.setattr(bench, "bench_estimate", recording)
-    chunk_sizes = []
-
-    def counted(fn, x, *args, **kwargs):
-        if not x.is_meta:  # the plan runs the layer on meta
-            chunk_sizes.append(x.shape[0])
-        return checkpoint(fn, x, *args, **kwargs)
-
-    monkeypatch.setattr(token_chunks, "checkpoint", counted)
+    planned_chunks = _planned(bench, monkeypatch, "moe_token_chunk")
+    chunk_sizes = _checkpointed_sizes(monkeypatch, token_chunks, 0)
     losses = {}
     for chunk in (0, 48):
         out = tmp_path / f"lc{chunk}.json"
@@ -102,22 +114,9 @@ def test_seq_segment_reaches_the_model_the_plan_and_every_row(tmp_path, monkeypa
     # chunks of 64 tokens: the same loss as whole (float32: 1e-6 relative), the plan given the
     # segment, and each row records it.
     bench = load_bench("long_context")
-    planned = []
-    plan = bench.bench_estimate
-
-    def recording(cfg, *args):
-        planned.append(cfg.args.seq_segment)
-        return plan(cfg, *args)
-
-    monkeypatch.setattr(bench, "bench_estimate", recording)
-    segments, chunks = [], []
-    for module, sizes, dim in ((kda_module, segments, 1), (token_chunks, chunks, 0)):
-        def counted(fn, x, *args, sizes=sizes, dim=dim, **kwargs):
-            if not x.is_meta:  # the plan runs the layer on meta
-                sizes.append(x.shape[dim])
-            return checkpoint(fn, x, *args, **kwargs)
-
-        monkeypatch.setattr(module, "checkpoint", counted)
+    planned = _planned(bench, monkeypatch, "seq_segment")
+    segments = _checkpointed_sizes(monkeypatch, kda_module, 1)
+    chunks = _checkpointed_sizes(monkeypatch, token_chunks, 0)
     losses = {}
     for segment in (0, 64):
         out = tmp_path / f"lc{segment}.json"
