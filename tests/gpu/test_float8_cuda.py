@@ -1,9 +1,14 @@
-"""float8 training on Hopper (torchao 0.18): the routed experts' float8 grouped GEMM against the
-bf16 one, and a compiled training step of the debug model with `[float8] enable` and `moe`.
+"""float8 training on Hopper (torchao 0.18): the routed experts' float8 grouped GEMMs against
+their plain-PyTorch emulation (float8/grouped_reference.py), and a compiled training step of the
+debug model with `[float8] enable` and `moe`.
 
-Errors are SQNR, 20 log10(||want|| / ||got - want||) in dB. The bounds for one expert layer are
-torchao's own for rowwise float8 MoE training with 16-row groups (its moe_training tests): 29 dB
-for the output and the input's gradient, 23 dB for each weight's gradient.
+Errors are SQNR, 20 log10(||want|| / ||got - want||) in dB. torchao tests its rowwise grouped GEMM
+against a reference that quantizes the same way; so does this file. Its bounds for a whole MoE
+layer (29 dB output, 23 dB weight gradients) do not carry over to one SiTU-GLU expert layer: the
+recipe's own rounding, emulated on the CPU host at these shapes (seeds 0-2, within 0.03 dB), gives
+23.7 dB for the output, 23.0 for the input's gradient, 22.4 / 22.4 / 22.0 for w1 / w3 / w2 (a
+single GEMM's output 28.5: the GLU product and the second GEMM's rounding of h add to it). The
+H200 kernel's output measured 23.67 dB (2026-12-05) against that bound of 29.
 """
 
 import math
@@ -15,9 +20,10 @@ import torch.nn.functional as F
 
 from float8 import convert_dense_linears, convert_routed_experts
 from float8.grouped import TOKEN_GROUP_ALIGNMENT
+from float8.grouped_reference import rowwise_float8_grouped_mm
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
-from titan_moe.model.moe import GroupedExperts
+from titan_moe.model.moe import GroupedExperts, situ_glu
 from titan_moe.parallel.parallelize import apply_compile
 from titan_moe.train.config import Float8
 
@@ -29,7 +35,9 @@ pytestmark = [
     ),
 ]
 
-OUT_SQNR, INPUT_GRAD_SQNR, WEIGHT_GRAD_SQNR = 29.0, 29.0, 23.0
+# The kernel may lose at most this much against the emulation of the same rounding: it adds its
+# fp32 accumulation order and Hopper's fast accumulation (1 dB is 26% more error energy).
+KERNEL_LOSS_DB = 1.0
 # A whole model's step: eight layers of float8 GEMMs compound, and a token whose top-k scores
 # nearly tie can switch experts, so the model's gradient gets a looser bound than one layer's.
 MODEL_GRAD_SQNR = 20.0
@@ -50,9 +58,21 @@ class Experts(nn.Module):
         self.group_align = 1
 
 
-def test_float8_grouped_gemm_with_16_row_groups_matches_bf16():
+def _emulated_experts(experts: GroupedExperts, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """GroupedExperts.forward with each grouped GEMM replaced by its rowwise float8 emulation
+    (the weights cast to bf16 first, as grouped_mm casts them)."""
+    def mm(a, w):
+        return rowwise_float8_grouped_mm(a, w.mT.to(torch.bfloat16), offs)
+
+    h = situ_glu(mm(x, experts.w1), mm(x, experts.w3), experts.beta1, experts.beta2)
+    return mm(h, experts.w2)
+
+
+def test_float8_grouped_gemm_with_16_row_groups_matches_its_emulation():
     """The proxy's expert shapes (latent 1024, hidden 768); group sizes multiples of 16 as our
-    dispatch pads them, one of them empty; forward and backward."""
+    dispatch pads them, one of them empty; forward and backward. Each of the output and the three
+    weights' and the input's gradients is, against the bf16 layer, within KERNEL_LOSS_DB of what
+    the recipe's rounding alone gives."""
     torch.manual_seed(0)
     n_experts, dim, hidden = 8, 1024, 768
     sizes = TOKEN_GROUP_ALIGNMENT * torch.tensor([3, 0, 16, 1, 9, 1, 32, 5])
@@ -62,19 +82,21 @@ def test_float8_grouped_gemm_with_16_row_groups_matches_bf16():
     reference.init_weights(0.02, 0.02)
     holder = Experts(GroupedExperts(n_experts, dim, hidden).cuda())
     holder.experts.load_state_dict(reference.state_dict())
+    emulated = GroupedExperts(n_experts, dim, hidden).cuda()
+    emulated.load_state_dict(reference.state_dict())
     assert convert_routed_experts(holder, Float8(moe=True)) == ["experts"]
     assert holder.group_align == TOKEN_GROUP_ALIGNMENT
     results = []
-    for module in (reference, holder.experts):
+    for module, forward in ((reference, reference), (holder.experts, holder.experts),
+                            (emulated, lambda xi, o: _emulated_experts(emulated, xi, o))):
         xi = x.clone().requires_grad_()
-        out = module(xi, offs)
+        out = forward(xi, offs)
         out.float().square().mean().backward()
         results.append((out, xi.grad, *(w.grad for w in (module.w1, module.w3, module.w2))))
-    (out, dx, *dws), (out8, dx8, *dws8) = results
-    assert sqnr(out8, out) >= OUT_SQNR, sqnr(out8, out)
-    assert sqnr(dx8, dx) >= INPUT_GRAD_SQNR, sqnr(dx8, dx)
-    for name, got, want in zip(("w1", "w3", "w2"), dws8, dws, strict=True):
-        assert sqnr(got, want) >= WEIGHT_GRAD_SQNR, (name, sqnr(got, want))
+    names = ("output", "input grad", "w1 grad", "w3 grad", "w2 grad")
+    for name, want, got, emulation in zip(names, *results, strict=True):
+        kernel, recipe = sqnr(got, want), sqnr(emulation, want)
+        assert kernel >= recipe - KERNEL_LOSS_DB, (name, kernel, recipe)
 
 
 def _step(model: nn.Module, params: dict[str, nn.Parameter], tokens: torch.Tensor,
