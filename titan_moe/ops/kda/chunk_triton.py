@@ -311,7 +311,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     del KK, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
     dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
-    wrap_triton(tile_products_bwd_kernel)[(n_chunks, CHUNK // SUBTILE * n_k_blocks,
+    wrap_triton(tile_products_bwd_kernel)[(CHUNK // SUBTILE * n_k_blocks, n_chunks,
                                           batch * heads)](
         q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
