@@ -63,8 +63,8 @@ GEMMS = "bf16"
 SCAN_STAGES = 2
 # Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts). On the
 # H100 (2026-12-05) tile_products took 0.29 ms alone at 4 warps and 1 stage against 1.05 at 8
-# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (48 B of
-# spills at 2 warps on sm_90, still faster: its programs are small and many).
+# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (then 48 B
+# of spills at 2 warps on sm_90, still faster: its programs are small and many).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
     "tile_products_kernel": 4,
@@ -79,8 +79,13 @@ NUM_WARPS = {
     "tile_products_bwd_kernel": 2,
     "gate_cumsum_bwd_kernel": 4,
 }
-# Pipeline stages of a kernel's loops where not Triton's default 3 (the scans: SCAN_STAGES).
-NUM_STAGES = {"tile_products_kernel": 1}
+# Pipeline stages of a kernel's loops (the scans: SCAN_STAGES). tile_products_kernel's one K
+# loop at 3: its loads staged in shared memory leave 96 registers a thread at 4 warps on sm_90
+# against 116 at one stage (5 programs an SM against 4; compiled as launched, pointers 16-byte
+# aligned: bench/kda_compile.py, without that specialization, counts 158 against 253), and the
+# next K blocks load during the GEMMs (the 1-stage measurement above was of its former
+# 16-column blocks, whose K loop ran once per block).
+NUM_STAGES = {"tile_products_kernel": 3}
 
 
 def _precise(x: Tensor) -> str:
@@ -132,7 +137,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
     if matrices is None:
         A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
         KK, Tinv = torch.empty_like(A_qk), torch.empty_like(A_qk)
-        wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
+        wrap_triton(tile_products_kernel)[(CHUNK // SUBTILE, n_chunks, batch * heads)](
             q, k, G, doc, A_qk, KK, scale, seq_len,
             H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
             OPERAND=operand,

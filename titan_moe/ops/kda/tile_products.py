@@ -2,17 +2,19 @@
 
     A_qk[r,j] = sum_c q_rc k_jc exp(G_rc - G_jc)   j <= r, same document
     KK[r,j]   = sum_c k_rc k_jc exp(G_rc - G_jc)   j <  r, same document
-One program per (chunk, 16-row tile, batch*head), referenced at the tile's first row n
-(chunk_common.py gives the numeric range), writes its rows one 16 x 16 block at a time, each
-block a loop over K blocks of [16, BK] x [BK, 16] GEMMs on OPERAND operands (bf16 for
-half-precision inputs): blocks before the tile (both factors exp(G_r - G_n) and exp(G_n - G_j)
-are <= 1 there), then the tile itself (the column factor up to exp(75), inside bf16's exponent
-range); blocks after the tile are zero and cost no GEMM. Rounding the factored operands costs
+One program per (16-row tile, chunk, batch*head), referenced at the tile's first row n
+(chunk_common.py gives the numeric range), writes its 16 rows of the chunk's C columns by one
+loop over K blocks of [16, BK] x [BK, C] GEMMs on OPERAND operands (bf16 for half-precision
+inputs), each K block's q, k, G rows loaded and decayed once: the columns before the tile (both
+factors exp(G_r - G_n) and exp(G_n - G_j) are <= 1 there), the tile itself (the column factor up
+to exp(75), inside bf16's exponent range) and the zero columns after it (operand masked: no
+load, 1.6x the needed GEMM work, in 2 GEMMs a K block where 16-wide blocks took up to 8, with
+their rows reloaded for each). Rounding the factored operands costs
 2^-9 of each term: over bf16 inputs, the op as it is, the output's error is at most 3.5e-3
 relative RMS against float64 (bound 5e-3; 1.7e-3, its own rounding to bf16, on fp32 operands),
 under the interpreter rounding to bf16 as the GPU does (chunk_common.round_to_bf16). So no GEMM
-is masked down to 16 rows, and the tiles are small (162 registers a thread at 4 warps and one
-stage on sm_90, no spill; bench/kda_compile.py).
+is masked down to 16 rows, and the tiles are small (158 registers a thread at 4 warps and three
+stages on sm_90, no spill; bench/kda_compile.py).
 """
 
 import triton
@@ -31,51 +33,44 @@ def tile_products_kernel(
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
     # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
     scale = tl.cast(scale, tl.float32)
-    chunk, tile, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # A chunk's tiles are adjacent in launch order, so its k and G are read from DRAM once.
+    tile, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
     t0 = chunk * C
-    Tp = tl.num_programs(0) * C
+    Tp = tl.num_programs(1) * C
     ref = tile * SUBTILE
-    tile_cols = tl.arange(0, SUBTILE)
-    rows = ref + tile_cols
+    rows = ref + tl.arange(0, SUBTILE)
+    cols = tl.arange(0, C)
+    # The columns up to the tile's end; those after it are zero: not loaded, their exponent
+    # (which would overflow) zeroed.
+    upto = cols < ref + SUBTILE
+    A = tl.zeros((SUBTILE, C), dtype=tl.float32)
+    P = tl.zeros((SUBTILE, C), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        cols_k = k0 + tl.arange(0, BK)
+        k_ok = cols_k < K
+        row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+        row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+        q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+        k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+        G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=k_ok[None, :], other=0.0)
+        G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok, other=0.0)
+        row_factor = tl.exp(G_r - G_ref[None, :])
+        col_offs = ((b * T + t0 + cols) * H + h)[:, None] * K + cols_k[None, :]
+        k_c = tl.load(k + col_offs, mask=(upto & (t0 + cols < T))[:, None] & k_ok[None, :],
+                      other=0.0).to(tl.float32)
+        G_c = tl.load(G + ((b * Tp + t0 + cols) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=upto[:, None] & k_ok[None, :], other=0.0)
+        k_col = tl.trans(k_c * tl.exp(tl.where(upto[:, None], G_ref[None, :] - G_c, 0.0)))
+        A += mma(q_r * row_factor, k_col, OPERAND)
+        P += mma(k_r * row_factor, k_col, OPERAND)
     d_rows, _, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C
-    # One 16 x 16 block of each matrix at a time: blocks before the tile, then the tile itself;
-    # the blocks after it are zero.
-    for j in tl.static_range(C // SUBTILE):
-        block = j * SUBTILE + tile_cols
-        A = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
-        P = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
-        if j <= tile:
-            for k0 in tl.range(0, K, BK):
-                cols_k = k0 + tl.arange(0, BK)
-                k_ok = cols_k < K
-                row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-                row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
-                q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
-                k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
-                G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
-                              mask=k_ok[None, :], other=0.0)
-                G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok,
-                                other=0.0)
-                row_factor = tl.exp(G_r - G_ref[None, :])
-                if j < tile:
-                    block_offs = ((b * T + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
-                    k_j = tl.load(k + block_offs, mask=(t0 + block < T)[:, None] & k_ok[None, :],
-                                  other=0.0).to(tl.float32)
-                    G_j = tl.load(G + ((b * Tp + t0 + block) * H + h)[:, None] * K
-                                  + cols_k[None, :], mask=k_ok[None, :], other=0.0)
-                    k_col = tl.trans(k_j * tl.exp(G_ref[None, :] - G_j))
-                else:
-                    k_col = tl.trans(k_r * tl.exp(G_ref[None, :] - G_r))
-                A += mma(q_r * row_factor, k_col, OPERAND)
-                P += mma(k_r * row_factor, k_col, OPERAND)
-        d_block, _, _ = chunk_documents(doc, b, t0, block, T, C, HAS_DOCS)
-        same_doc = d_rows[:, None] == d_block[None, :]
-        tl.store(A_qk + base + block[None, :],
-                 tl.where(same_doc & (block[None, :] <= rows[:, None]), A, 0.0))
-        tl.store(KK + base + block[None, :],
-                 tl.where(same_doc & (block[None, :] < rows[:, None]), P, 0.0))
+    d_cols, _, _ = chunk_documents(doc, b, t0, cols, T, C, HAS_DOCS)
+    same_doc = d_rows[:, None] == d_cols[None, :]
+    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C + cols[None, :]
+    tl.store(A_qk + base, tl.where(same_doc & (cols[None, :] <= rows[:, None]), A, 0.0))
+    tl.store(KK + base, tl.where(same_doc & (cols[None, :] < rows[:, None]), P, 0.0))
 
 
 @triton.jit
@@ -91,8 +86,8 @@ def tile_products_bwd_kernel(
     takes its tile's rows against the columns before the tile (referenced at the tile's first
     row n), its tile's columns against the rows after it (referenced at the first row m after
     the tile) and the tile against itself (at n), one 16-row block of the chunk at a time (16 x
-    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 255 registers a thread and 48 B of spills
-    at 2 warps on sm_90, faster than 167 registers at 4 on the H100), each GEMM on fp32
+    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 255 registers a thread and no spill at 2
+    warps on sm_90, faster than 167 registers at 4 on the H100), each GEMM on fp32
     operands (PRECISION: tf32 for bf16 inputs).
     bf16 operands would fit the first two (factors <= 1), but the row and column terms of dG
     cancel in sum (the products depend on differences of G only), and their rounding then
