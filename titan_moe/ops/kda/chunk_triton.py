@@ -311,18 +311,19 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(ut_transform_bwd_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        OPERAND=_operand(q), num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
+        OPERAND=_operand(q), PRECISION=_precise(q),
+        num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
     )  # fmt: skip
-    del KK, v_new, dv_new
+    del KK, Tinv, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
     dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
     wrap_triton(tile_products_bwd_kernel)[(CHUNK // SUBTILE * n_k_blocks, n_chunks,
                                           batch * heads)](
-        q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
+        q, k, G, doc, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
         PRECISION=_precise(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
     )  # fmt: skip
-    del dA, dP, Tinv, d_qg, d_w
+    del dA, dP, d_qg, d_w
     dg = torch.empty(g.shape, **f32)
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,

@@ -75,7 +75,7 @@ def tile_products_kernel(
 
 @triton.jit
 def tile_products_bwd_kernel(
-    q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, T,
+    q, k, G, doc, dA, dP, d_qg, mt_dw, d_kd, dq, dk, dG, scale, T,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SUBTILE: tl.constexpr,
     HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -86,7 +86,7 @@ def tile_products_bwd_kernel(
     takes its tile's rows against the columns before the tile (referenced at the tile's first
     row n), its tile's columns against the rows after it (referenced at the first row m after
     the tile) and the tile against itself (at n), one 16-row block of the chunk at a time (16 x
-    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 255 registers a thread and no spill at 2
+    16 blocks of dA and dKK, [16, BK] tiles: 254 registers a thread and no spill at 2
     warps on sm_90, faster than 167 registers at 4 on the H100), each GEMM on fp32
     operands (PRECISION: tf32 for bf16 inputs).
     bf16 operands would fit the first two (factors <= 1), but the row and column terms of dG
@@ -94,7 +94,7 @@ def tile_products_bwd_kernel(
     piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.3e-4 to
     2.5e-2 relative RMS, over its 2e-2 bound (interpreter, rounding to bf16 as the GPU does,
     packed documents and the fused gate). With the state terms (state_scan.py's
-    state_terms_bwd_kernel) and M^T dW:
+    state_terms_bwd_kernel) and M^T dW (mt_dw, from ut_transform_bwd_kernel):
         dq = d(Gamma Q) Gamma + dA_rr k + dq_A,   dk = (M^T dW) Gamma + dK_d (gamma_C / Gamma)
              + dA_rr q + dk_A + dk_KK
         dG = its factors' share of each term (row terms +, column terms -); dg is its reverse
@@ -105,7 +105,7 @@ def tile_products_bwd_kernel(
     """
     scale = tl.cast(scale, tl.float32)
     # The programs of one chunk are adjacent in launch order (tile fastest, then K block), so
-    # the chunk's dA, dKK and Tinv (48 kB) and its k, q, G columns are read from DRAM once and
+    # the chunk's dA and dKK (32 kB) and its k, q, G columns are read from DRAM once and
     # hit in L2 for the other programs; chunk-fastest order put n_chunks programs between them,
     # about 50 MB of other chunks at 64K tokens, past L2.
     tile_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -147,10 +147,7 @@ def tile_products_bwd_kernel(
     dk_row = mma(dP_tile, k_tile, PRECISION)
     dk_a_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
     dk_col_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
-    # M^T dW over the chunk's rows from the tile on, M = Tinv Diag(beta) (Diag(beta) applied after
-    # the loop).
-    d_gk = tl.zeros((SUBTILE, BK), dtype=tl.float32)
-    # The other 16-row blocks j of the chunk, one at a time (16 x 16 blocks of dA, dKK, Tinv):
+    # The other 16-row blocks j of the chunk, one at a time (16 x 16 blocks of dA and dKK):
     # blocks before the tile give its rows' terms (at n: exp(G_n - G_j) <= 1), blocks after it
     # its columns' terms (at m: exp(G_j - G_m) <= 1).
     for j in tl.static_range(C // SUBTILE):
@@ -159,9 +156,6 @@ def tile_products_bwd_kernel(
         in_mask = (t0 + block < T)[:, None] & k_ok[None, :]
         pad_offs = ((b * Tp + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
         cc_block = ((b * Tp + t0 + block) * H + h)[:, None] * C
-        if j >= tile:  # Tinv is unit lower triangular: its blocks above the diagonal are zero
-            d_gk += mma(tl.trans(tl.load(Tinv + cc_block + rows[None, :])),
-                        tl.load(d_w + pad_offs, mask=k_ok[None, :], other=0.0), PRECISION)
         if j < tile:
             G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
             k_j = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
@@ -187,9 +181,7 @@ def tile_products_bwd_kernel(
     # The state terms.
     d_qg_s = tl.load(d_qg + pad_rows, mask=k_ok[None, :], other=0.0)
     d_kd_s = tl.load(d_kd + pad_rows, mask=k_ok[None, :], other=0.0)
-    beta_s = tl.load(beta + (b * T + t0 + rows) * H + h, mask=t0 + rows < T,
-                     other=0.0).to(tl.float32)
-    d_gk = beta_s[:, None] * d_gk
+    d_gk = tl.load(mt_dw + pad_rows, mask=k_ok[None, :], other=0.0)
     d, _, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
     decay = tl.exp(G_s)
     to_end = tl.where((d == d_last)[:, None], tl.exp(G_end[None, :] - G_s), 0.0)
