@@ -86,9 +86,10 @@ def tile_products_bwd_kernel(
     takes its tile's rows against the columns before the tile (referenced at the tile's first
     row n), its tile's columns against the rows after it (referenced at the first row m after
     the tile) and the tile against itself (at n), one 16-row block of the chunk at a time (16 x
-    16 blocks of dA and dKK, [16, BK] tiles: 254 registers a thread and no spill at 2
-    warps on sm_90, faster than 167 registers at 4 on the H100), each GEMM on fp32
-    operands (PRECISION: tf32 for bf16 inputs).
+    16 blocks of dA and dKK, [16, BK] tiles: 168 registers a thread and no spill at 2 warps on
+    sm_90 as launched, 237 by bench/kda_compile.py, which compiles without the launch's 16-byte
+    pointer alignment; 2 warps beat 4 on the H100 before), each GEMM on fp32 operands
+    (PRECISION: tf32 for bf16 inputs).
     bf16 operands would fit the first two (factors <= 1), but the row and column terms of dG
     cancel in sum (the products depend on differences of G only), and their rounding then
     piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.3e-4 to
@@ -120,36 +121,23 @@ def tile_products_bwd_kernel(
     cols_k = k_block * BK + tl.arange(0, BK)
     k_ok = cols_k < K
 
-    # The tile's rows, and G at n, at m (the last row for the last tile: no row follows it, and
-    # its exponents stay <= 0) and at the chunk's end.
-    row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
-    q_s = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
-    k_s = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
-    pad_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    G_s = tl.load(G + pad_rows, mask=k_ok[None, :], other=0.0)
+    # G at n, at m (the last row for the last tile: no row follows it, and its exponents stay
+    # <= 0) and at the chunk's end.
     G_row = G + (b * Tp + t0) * H * K + h * K + cols_k
     G_n = tl.load(G_row + ref * H * K, mask=k_ok, other=0.0)
     G_m = tl.load(G_row + tl.minimum(after, C - 1) * H * K, mask=k_ok, other=0.0)
     G_end = tl.load(G_row + (C - 1) * H * K, mask=k_ok, other=0.0)
 
-    # The tile against itself (dA's strict part, its diagonal apart), at n.
-    cc_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * C
-    strict = tile_cols[:, None] > tile_cols[None, :]
-    dA_tile = tl.load(dA + cc_rows + rows[None, :], mask=strict, other=0.0)
-    dP_tile = tl.load(dP + cc_rows + rows[None, :], mask=strict, other=0.0)
-    dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
-    row_factor = tl.exp(G_s - G_n)  # <= 1
-    col_factor = tl.exp(G_n - G_s)  # <= exp(75), chunk_common.py
-    after_factor = tl.exp(G_m - G_s)  # <= 1
-    k_tile = k_s * col_factor
-    dq_a = mma(dA_tile, k_tile, PRECISION)
-    dk_row = mma(dP_tile, k_tile, PRECISION)
-    dk_a_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
-    dk_col_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
     # The other 16-row blocks j of the chunk, one at a time (16 x 16 blocks of dA and dKK):
     # blocks before the tile give its rows' terms (at n: exp(G_n - G_j) <= 1), blocks after it
-    # its columns' terms (at m: exp(G_j - G_m) <= 1).
+    # its columns' terms (at m: exp(G_j - G_m) <= 1). The tile's own rows are loaded after
+    # this loop, which then holds only its four sums (168 registers a thread at 2 warps on sm_90
+    # as launched, 6 programs an SM, against 222 and 4 with them loaded first).
+    cc_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * C
+    dq_before = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    dk_before = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    dk_a_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    dk_col_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
     for j in tl.static_range(C // SUBTILE):
         block = j * SUBTILE + tile_cols
         in_offs = ((b * T + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
@@ -160,8 +148,8 @@ def tile_products_bwd_kernel(
             G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
             k_j = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
             k_before = k_j * tl.exp(G_n[None, :] - G_j)
-            dq_a += mma(tl.load(dA + cc_rows + block[None, :]), k_before, PRECISION)
-            dk_row += mma(tl.load(dP + cc_rows + block[None, :]), k_before, PRECISION)
+            dq_before += mma(tl.load(dA + cc_rows + block[None, :]), k_before, PRECISION)
+            dk_before += mma(tl.load(dP + cc_rows + block[None, :]), k_before, PRECISION)
         if j > tile:
             G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
             decay_j = tl.exp(G_j - G_m[None, :])
@@ -171,8 +159,24 @@ def tile_products_bwd_kernel(
                               PRECISION)
             dk_col_after += mma(tl.trans(tl.load(dP + cc_block + rows[None, :])), k_j * decay_j,
                                 PRECISION)
-    dq_a *= row_factor
-    dk_row *= row_factor
+
+    # The tile's rows, and the tile against itself (dA's strict part, its diagonal apart), at n.
+    row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+    q_s = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+    k_s = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+    pad_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    G_s = tl.load(G + pad_rows, mask=k_ok[None, :], other=0.0)
+    strict = tile_cols[:, None] > tile_cols[None, :]
+    dA_tile = tl.load(dA + cc_rows + rows[None, :], mask=strict, other=0.0)
+    dP_tile = tl.load(dP + cc_rows + rows[None, :], mask=strict, other=0.0)
+    dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
+    row_factor = tl.exp(G_s - G_n)  # <= 1
+    col_factor = tl.exp(G_n - G_s)  # <= exp(75), chunk_common.py
+    after_factor = tl.exp(G_m - G_s)  # <= 1
+    k_tile = k_s * col_factor
+    dq_a = row_factor * (dq_before + mma(dA_tile, k_tile, PRECISION))
+    dk_row = row_factor * (dk_before + mma(dP_tile, k_tile, PRECISION))
     dk_a = (after_factor * dk_a_after
             + col_factor * mma(tl.trans(dA_tile), q_s * row_factor, PRECISION))
     dk_col = (after_factor * dk_col_after
