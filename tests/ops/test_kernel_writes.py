@@ -120,7 +120,7 @@ def test_kda_kernels_write_only_their_outputs():
                    "chunk_output_bwd_kernel": {"dh_states", "dv_new"},
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},
                    "state_terms_bwd_kernel": {"d_qg", "d_w", "d_kd", "d_gamma"},
-                   "ut_transform_bwd_kernel": {"dv", "dbeta", "dA", "dP"},
+                   "ut_transform_bwd_kernel": {"dv", "dbeta", "dA", "dP", "d_w"},
                    "tile_products_bwd_kernel": {"dq", "dk", "dG"},
                    "gate_cumsum_bwd_kernel": {"dg"}}
 

@@ -63,8 +63,8 @@ GEMMS = "bf16"
 SCAN_STAGES = 2
 # Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts). On the
 # H100 (2026-12-05) tile_products took 0.29 ms alone at 4 warps and 1 stage against 1.05 at 8
-# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (48 B of
-# spills at 2 warps on sm_90, still faster: its programs are small and many).
+# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (then 48 B
+# of spills at 2 warps on sm_90, still faster: its programs are small and many).
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
     "tile_products_kernel": 4,
@@ -79,8 +79,13 @@ NUM_WARPS = {
     "tile_products_bwd_kernel": 2,
     "gate_cumsum_bwd_kernel": 4,
 }
-# Pipeline stages of a kernel's loops where not Triton's default 3 (the scans: SCAN_STAGES).
-NUM_STAGES = {"tile_products_kernel": 1}
+# Pipeline stages of a kernel's loops (the scans: SCAN_STAGES). tile_products_kernel's one K
+# loop at 3: its loads staged in shared memory leave 96 registers a thread at 4 warps on sm_90
+# against 116 at one stage (5 programs an SM against 4; compiled as launched, pointers 16-byte
+# aligned: bench/kda_compile.py, without that specialization, counts 158 against 253), and the
+# next K blocks load during the GEMMs (the 1-stage measurement above was of its former
+# 16-column blocks, whose K loop ran once per block).
+NUM_STAGES = {"tile_products_kernel": 3}
 
 
 def _precise(x: Tensor) -> str:
@@ -132,7 +137,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
     if matrices is None:
         A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
         KK, Tinv = torch.empty_like(A_qk), torch.empty_like(A_qk)
-        wrap_triton(tile_products_kernel)[(n_chunks, CHUNK // SUBTILE, batch * heads)](
+        wrap_triton(tile_products_kernel)[(CHUNK // SUBTILE, n_chunks, batch * heads)](
             q, k, G, doc, A_qk, KK, scale, seq_len,
             H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
             OPERAND=operand,
@@ -306,18 +311,19 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     wrap_triton(ut_transform_bwd_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
-        OPERAND=_operand(q), num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
+        OPERAND=_operand(q), PRECISION=_precise(q),
+        num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
     )  # fmt: skip
-    del KK, v_new, dv_new
+    del KK, Tinv, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
     dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
-    wrap_triton(tile_products_bwd_kernel)[(n_chunks, CHUNK // SUBTILE * n_k_blocks,
+    wrap_triton(tile_products_bwd_kernel)[(CHUNK // SUBTILE * n_k_blocks, n_chunks,
                                           batch * heads)](
-        q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
+        q, k, G, doc, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
         PRECISION=_precise(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
     )  # fmt: skip
-    del dA, dP, Tinv, d_qg, d_w
+    del dA, dP, d_qg, d_w
     dg = torch.empty(g.shape, **f32)
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
         g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,

@@ -2,17 +2,19 @@
 
     A_qk[r,j] = sum_c q_rc k_jc exp(G_rc - G_jc)   j <= r, same document
     KK[r,j]   = sum_c k_rc k_jc exp(G_rc - G_jc)   j <  r, same document
-One program per (chunk, 16-row tile, batch*head), referenced at the tile's first row n
-(chunk_common.py gives the numeric range), writes its rows one 16 x 16 block at a time, each
-block a loop over K blocks of [16, BK] x [BK, 16] GEMMs on OPERAND operands (bf16 for
-half-precision inputs): blocks before the tile (both factors exp(G_r - G_n) and exp(G_n - G_j)
-are <= 1 there), then the tile itself (the column factor up to exp(75), inside bf16's exponent
-range); blocks after the tile are zero and cost no GEMM. Rounding the factored operands costs
+One program per (16-row tile, chunk, batch*head), referenced at the tile's first row n
+(chunk_common.py gives the numeric range), writes its 16 rows of the chunk's C columns by one
+loop over K blocks of [16, BK] x [BK, C] GEMMs on OPERAND operands (bf16 for half-precision
+inputs), each K block's q, k, G rows loaded and decayed once: the columns before the tile (both
+factors exp(G_r - G_n) and exp(G_n - G_j) are <= 1 there), the tile itself (the column factor up
+to exp(75), inside bf16's exponent range) and the zero columns after it (operand masked: no
+load, 1.6x the needed GEMM work, in 2 GEMMs a K block where 16-wide blocks took up to 8, with
+their rows reloaded for each). Rounding the factored operands costs
 2^-9 of each term: over bf16 inputs, the op as it is, the output's error is at most 3.5e-3
 relative RMS against float64 (bound 5e-3; 1.7e-3, its own rounding to bf16, on fp32 operands),
 under the interpreter rounding to bf16 as the GPU does (chunk_common.round_to_bf16). So no GEMM
-is masked down to 16 rows, and the tiles are small (162 registers a thread at 4 warps and one
-stage on sm_90, no spill; bench/kda_compile.py).
+is masked down to 16 rows, and the tiles are small (158 registers a thread at 4 warps and three
+stages on sm_90, no spill; bench/kda_compile.py).
 """
 
 import triton
@@ -31,75 +33,69 @@ def tile_products_kernel(
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
     # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
     scale = tl.cast(scale, tl.float32)
-    chunk, tile, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # A chunk's tiles are adjacent in launch order, so its k and G are read from DRAM once.
+    tile, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
     t0 = chunk * C
-    Tp = tl.num_programs(0) * C
+    Tp = tl.num_programs(1) * C
     ref = tile * SUBTILE
-    tile_cols = tl.arange(0, SUBTILE)
-    rows = ref + tile_cols
+    rows = ref + tl.arange(0, SUBTILE)
+    cols = tl.arange(0, C)
+    # The columns up to the tile's end; those after it are zero: not loaded, their exponent
+    # (which would overflow) zeroed.
+    upto = cols < ref + SUBTILE
+    A = tl.zeros((SUBTILE, C), dtype=tl.float32)
+    P = tl.zeros((SUBTILE, C), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        cols_k = k0 + tl.arange(0, BK)
+        k_ok = cols_k < K
+        row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+        row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+        q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+        k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+        G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=k_ok[None, :], other=0.0)
+        G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok, other=0.0)
+        row_factor = tl.exp(G_r - G_ref[None, :])
+        col_offs = ((b * T + t0 + cols) * H + h)[:, None] * K + cols_k[None, :]
+        k_c = tl.load(k + col_offs, mask=(upto & (t0 + cols < T))[:, None] & k_ok[None, :],
+                      other=0.0).to(tl.float32)
+        G_c = tl.load(G + ((b * Tp + t0 + cols) * H + h)[:, None] * K + cols_k[None, :],
+                      mask=upto[:, None] & k_ok[None, :], other=0.0)
+        k_col = tl.trans(k_c * tl.exp(tl.where(upto[:, None], G_ref[None, :] - G_c, 0.0)))
+        A += mma(q_r * row_factor, k_col, OPERAND)
+        P += mma(k_r * row_factor, k_col, OPERAND)
     d_rows, _, _ = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C
-    # One 16 x 16 block of each matrix at a time: blocks before the tile, then the tile itself;
-    # the blocks after it are zero.
-    for j in tl.static_range(C // SUBTILE):
-        block = j * SUBTILE + tile_cols
-        A = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
-        P = tl.zeros((SUBTILE, SUBTILE), dtype=tl.float32)
-        if j <= tile:
-            for k0 in tl.range(0, K, BK):
-                cols_k = k0 + tl.arange(0, BK)
-                k_ok = cols_k < K
-                row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-                row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
-                q_r = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
-                k_r = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
-                G_r = tl.load(G + ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :],
-                              mask=k_ok[None, :], other=0.0)
-                G_ref = tl.load(G + ((b * Tp + t0 + ref) * H + h) * K + cols_k, mask=k_ok,
-                                other=0.0)
-                row_factor = tl.exp(G_r - G_ref[None, :])
-                if j < tile:
-                    block_offs = ((b * T + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
-                    k_j = tl.load(k + block_offs, mask=(t0 + block < T)[:, None] & k_ok[None, :],
-                                  other=0.0).to(tl.float32)
-                    G_j = tl.load(G + ((b * Tp + t0 + block) * H + h)[:, None] * K
-                                  + cols_k[None, :], mask=k_ok[None, :], other=0.0)
-                    k_col = tl.trans(k_j * tl.exp(G_ref[None, :] - G_j))
-                else:
-                    k_col = tl.trans(k_r * tl.exp(G_ref[None, :] - G_r))
-                A += mma(q_r * row_factor, k_col, OPERAND)
-                P += mma(k_r * row_factor, k_col, OPERAND)
-        d_block, _, _ = chunk_documents(doc, b, t0, block, T, C, HAS_DOCS)
-        same_doc = d_rows[:, None] == d_block[None, :]
-        tl.store(A_qk + base + block[None, :],
-                 tl.where(same_doc & (block[None, :] <= rows[:, None]), A, 0.0))
-        tl.store(KK + base + block[None, :],
-                 tl.where(same_doc & (block[None, :] < rows[:, None]), P, 0.0))
+    d_cols, _, _ = chunk_documents(doc, b, t0, cols, T, C, HAS_DOCS)
+    same_doc = d_rows[:, None] == d_cols[None, :]
+    base = ((b * Tp + t0 + rows) * H + h)[:, None] * C + cols[None, :]
+    tl.store(A_qk + base, tl.where(same_doc & (cols[None, :] <= rows[:, None]), A, 0.0))
+    tl.store(KK + base, tl.where(same_doc & (cols[None, :] < rows[:, None]), P, 0.0))
 
 
 @triton.jit
 def tile_products_bwd_kernel(
-    q, k, G, doc, beta, Tinv, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, T,
+    q, k, G, doc, dA, dP, d_qg, mt_dw, d_kd, dq, dk, dG, scale, T,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SUBTILE: tl.constexpr,
     HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq, dk [B,T,H,K] in their inputs' dtype and dG [B,Tp,H,K] fp32 of one tile's rows.
 
     The decayed products differentiate into a row's q and k (its row of dA_qk and dKK) and into
-    a column's k (its column): one program per (chunk, 16-row tile and K block, batch*head)
+    a column's k (its column): one program per (16-row tile and K block, chunk, batch*head)
     takes its tile's rows against the columns before the tile (referenced at the tile's first
     row n), its tile's columns against the rows after it (referenced at the first row m after
     the tile) and the tile against itself (at n), one 16-row block of the chunk at a time (16 x
-    16 blocks of dA, dKK and Tinv, [16, BK] tiles: 255 registers a thread and 48 B of spills
-    at 2 warps on sm_90, faster than 167 registers at 4 on the H100), each GEMM on fp32
-    operands (PRECISION: tf32 for bf16 inputs).
+    16 blocks of dA and dKK, [16, BK] tiles: 168 registers a thread and no spill at 2 warps on
+    sm_90 as launched, 237 by bench/kda_compile.py, which compiles without the launch's 16-byte
+    pointer alignment; 2 warps beat 4 on the H100 before), each GEMM on fp32 operands
+    (PRECISION: tf32 for bf16 inputs).
     bf16 operands would fit the first two (factors <= 1), but the row and column terms of dG
     cancel in sum (the products depend on differences of G only), and their rounding then
     piles up in dg's cumsum: dt_bias's error over bf16 inputs went from 6.3e-4 to
     2.5e-2 relative RMS, over its 2e-2 bound (interpreter, rounding to bf16 as the GPU does,
     packed documents and the fused gate). With the state terms (state_scan.py's
-    state_terms_bwd_kernel) and M^T dW:
+    state_terms_bwd_kernel) and M^T dW (mt_dw, from ut_transform_bwd_kernel):
         dq = d(Gamma Q) Gamma + dA_rr k + dq_A,   dk = (M^T dW) Gamma + dK_d (gamma_C / Gamma)
              + dA_rr q + dk_A + dk_KK
         dG = its factors' share of each term (row terms +, column terms -); dg is its reverse
@@ -109,12 +105,15 @@ def tile_products_bwd_kernel(
     is pinned at g_min, so the GEMMs take dA's strict part and the diagonal goes to dq, dk alone.
     """
     scale = tl.cast(scale, tl.float32)
-    chunk, tile_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_k_blocks = tl.cdiv(K, BK)
-    tile, k_block = tile_block // n_k_blocks, tile_block % n_k_blocks
+    # The programs of one chunk are adjacent in launch order (tile fastest, then K block), so
+    # the chunk's dA and dKK (32 kB) and its k, q, G columns are read from DRAM once and
+    # hit in L2 for the other programs; chunk-fastest order put n_chunks programs between them,
+    # about 50 MB of other chunks at 64K tokens, past L2.
+    tile_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, k_block = tile_block % (C // SUBTILE), tile_block // (C // SUBTILE)
     b, h = bh // H, bh % H
     t0 = chunk * C
-    Tp = tl.num_programs(0) * C
+    Tp = tl.num_programs(1) * C
     ref = tile * SUBTILE
     after = ref + SUBTILE
     tile_cols = tl.arange(0, SUBTILE)
@@ -122,52 +121,35 @@ def tile_products_bwd_kernel(
     cols_k = k_block * BK + tl.arange(0, BK)
     k_ok = cols_k < K
 
-    # The tile's rows, and G at n, at m (the last row for the last tile: no row follows it, and
-    # its exponents stay <= 0) and at the chunk's end.
-    row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
-    q_s = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
-    k_s = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
-    pad_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
-    G_s = tl.load(G + pad_rows, mask=k_ok[None, :], other=0.0)
+    # G at n, at m (the last row for the last tile: no row follows it, and its exponents stay
+    # <= 0) and at the chunk's end.
     G_row = G + (b * Tp + t0) * H * K + h * K + cols_k
     G_n = tl.load(G_row + ref * H * K, mask=k_ok, other=0.0)
     G_m = tl.load(G_row + tl.minimum(after, C - 1) * H * K, mask=k_ok, other=0.0)
     G_end = tl.load(G_row + (C - 1) * H * K, mask=k_ok, other=0.0)
 
-    # The tile against itself (dA's strict part, its diagonal apart), at n.
+    # The other 16-row blocks j of the chunk, one at a time (16 x 16 blocks of dA and dKK):
+    # blocks before the tile give its rows' terms (at n: exp(G_n - G_j) <= 1), blocks after it
+    # its columns' terms (at m: exp(G_j - G_m) <= 1). The tile's own rows are loaded after
+    # this loop, which then holds only its four sums (168 registers a thread at 2 warps on sm_90
+    # as launched, 6 programs an SM, against 222 and 4 with them loaded first).
     cc_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * C
-    strict = tile_cols[:, None] > tile_cols[None, :]
-    dA_tile = tl.load(dA + cc_rows + rows[None, :], mask=strict, other=0.0)
-    dP_tile = tl.load(dP + cc_rows + rows[None, :], mask=strict, other=0.0)
-    dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
-    row_factor = tl.exp(G_s - G_n)  # <= 1
-    col_factor = tl.exp(G_n - G_s)  # <= exp(75), chunk_common.py
-    after_factor = tl.exp(G_m - G_s)  # <= 1
-    k_tile = k_s * col_factor
-    dq_a = mma(dA_tile, k_tile, PRECISION)
-    dk_row = mma(dP_tile, k_tile, PRECISION)
+    dq_before = tl.zeros((SUBTILE, BK), dtype=tl.float32)
+    dk_before = tl.zeros((SUBTILE, BK), dtype=tl.float32)
     dk_a_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
     dk_col_after = tl.zeros((SUBTILE, BK), dtype=tl.float32)
-    # M^T dW over the chunk's rows, M = Tinv Diag(beta) (Diag(beta) applied after the loop).
-    d_gk = tl.zeros((SUBTILE, BK), dtype=tl.float32)
-    # The other 16-row blocks j of the chunk, one at a time (16 x 16 blocks of dA, dKK, Tinv):
-    # blocks before the tile give its rows' terms (at n: exp(G_n - G_j) <= 1), blocks after it
-    # its columns' terms (at m: exp(G_j - G_m) <= 1).
     for j in tl.static_range(C // SUBTILE):
         block = j * SUBTILE + tile_cols
         in_offs = ((b * T + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
         in_mask = (t0 + block < T)[:, None] & k_ok[None, :]
         pad_offs = ((b * Tp + t0 + block) * H + h)[:, None] * K + cols_k[None, :]
         cc_block = ((b * Tp + t0 + block) * H + h)[:, None] * C
-        d_gk += mma(tl.trans(tl.load(Tinv + cc_block + rows[None, :])),
-                    tl.load(d_w + pad_offs, mask=k_ok[None, :], other=0.0), PRECISION)
         if j < tile:
             G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
             k_j = tl.load(k + in_offs, mask=in_mask, other=0.0).to(tl.float32)
             k_before = k_j * tl.exp(G_n[None, :] - G_j)
-            dq_a += mma(tl.load(dA + cc_rows + block[None, :]), k_before, PRECISION)
-            dk_row += mma(tl.load(dP + cc_rows + block[None, :]), k_before, PRECISION)
+            dq_before += mma(tl.load(dA + cc_rows + block[None, :]), k_before, PRECISION)
+            dk_before += mma(tl.load(dP + cc_rows + block[None, :]), k_before, PRECISION)
         if j > tile:
             G_j = tl.load(G + pad_offs, mask=k_ok[None, :], other=0.0)
             decay_j = tl.exp(G_j - G_m[None, :])
@@ -177,8 +159,24 @@ def tile_products_bwd_kernel(
                               PRECISION)
             dk_col_after += mma(tl.trans(tl.load(dP + cc_block + rows[None, :])), k_j * decay_j,
                                 PRECISION)
-    dq_a *= row_factor
-    dk_row *= row_factor
+
+    # The tile's rows, and the tile against itself (dA's strict part, its diagonal apart), at n.
+    row_offs = ((b * T + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    row_mask = (t0 + rows < T)[:, None] & k_ok[None, :]
+    q_s = tl.load(q + row_offs, mask=row_mask, other=0.0).to(tl.float32) * scale
+    k_s = tl.load(k + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+    pad_rows = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+    G_s = tl.load(G + pad_rows, mask=k_ok[None, :], other=0.0)
+    strict = tile_cols[:, None] > tile_cols[None, :]
+    dA_tile = tl.load(dA + cc_rows + rows[None, :], mask=strict, other=0.0)
+    dP_tile = tl.load(dP + cc_rows + rows[None, :], mask=strict, other=0.0)
+    dA_diag = tl.load(dA + ((b * Tp + t0 + rows) * H + h) * C + rows)[:, None]
+    row_factor = tl.exp(G_s - G_n)  # <= 1
+    col_factor = tl.exp(G_n - G_s)  # <= exp(75), chunk_common.py
+    after_factor = tl.exp(G_m - G_s)  # <= 1
+    k_tile = k_s * col_factor
+    dq_a = row_factor * (dq_before + mma(dA_tile, k_tile, PRECISION))
+    dk_row = row_factor * (dk_before + mma(dP_tile, k_tile, PRECISION))
     dk_a = (after_factor * dk_a_after
             + col_factor * mma(tl.trans(dA_tile), q_s * row_factor, PRECISION))
     dk_col = (after_factor * dk_col_after
@@ -187,9 +185,7 @@ def tile_products_bwd_kernel(
     # The state terms.
     d_qg_s = tl.load(d_qg + pad_rows, mask=k_ok[None, :], other=0.0)
     d_kd_s = tl.load(d_kd + pad_rows, mask=k_ok[None, :], other=0.0)
-    beta_s = tl.load(beta + (b * T + t0 + rows) * H + h, mask=t0 + rows < T,
-                     other=0.0).to(tl.float32)
-    d_gk = beta_s[:, None] * d_gk
+    d_gk = tl.load(mt_dw + pad_rows, mask=k_ok[None, :], other=0.0)
     d, _, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
     decay = tl.exp(G_s)
     to_end = tl.where((d == d_last)[:, None], tl.exp(G_end[None, :] - G_s), 0.0)

@@ -74,9 +74,10 @@ def ut_transform_kernel(
 def ut_transform_bwd_kernel(
     k, v, G, beta, doc, KK, Tinv, v_new, dv_new, do, d_w, dv, dbeta, dA, dP, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr,
+    C: tl.constexpr, HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The UT transform's backward: dv, dbeta, and the gradients of the decayed products.
+    """The UT transform's backward: dv, dbeta, the gradients of the decayed products, and M^T dW
+    in place of dW.
 
         dA_qk = dO V~^T (causal, same document),   dM = dW (Gamma K)^T + dV~ V^T,   dV = M^T dV~
         M = Tinv Diag(beta):  dbeta_j += sum_r dM_rj Tinv_rj,   dTinv = dM Diag(beta)
@@ -87,6 +88,11 @@ def ut_transform_bwd_kernel(
     for half-precision inputs; Tinv's range is the forward's): over bf16 inputs, the op as it
     is, the gradients' error is at most 5.2e-3 relative RMS against float64 (bound 2e-2;
     interpreter, rounding as the GPU does).
+    M^T dW = Diag(beta) Tinv^T dW (written over d_w, fp32, its GEMM on PRECISION operands for
+    the reason tile_products_bwd_kernel's docstring gives: dG's terms cancel) is dk's and dG's
+    term through W: this program holds Tinv and reads dW already, where each of
+    tile_products_bwd_kernel's 16 programs of a chunk reloaded 16-row blocks of both for
+    16 x 16 GEMMs.
     """
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -131,3 +137,10 @@ def ut_transform_bwd_kernel(
     tl.store(dbeta + (b * T + t0 + rows) * H + h, dbeta_c, mask=valid)
     tl.store(dA + cc_offs, tl.where(strict | diagonal, dA_c, 0.0))
     tl.store(dP + cc_offs, dL * beta_c[:, None])
+    # M^T dW last, when dM and dL are dead (in the loop above: 64 B of spills on sm_90).
+    for k0 in tl.range(0, K, BK):
+        cols_k = k0 + tl.arange(0, BK)
+        w_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
+        d_w_c = tl.load(d_w + w_offs, mask=(cols_k < K)[None, :], other=0.0)
+        tl.store(d_w + w_offs, beta_c[:, None] * mma(tl.trans(inv), d_w_c, PRECISION),
+                 mask=(cols_k < K)[None, :])
