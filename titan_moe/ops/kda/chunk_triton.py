@@ -293,7 +293,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     d_qg, d_w, d_kd = (torch.empty_like(G) for _ in range(3))
     d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
     n_k_blocks = triton.cdiv(d_k, block)
-    wrap_triton(state_terms_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
+    wrap_triton(state_terms_bwd_kernel)[(n_k_blocks, n_chunks, batch * heads)](
         do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         OPERAND=_operand(q), num_warps=NUM_WARPS["state_terms_bwd_kernel"],

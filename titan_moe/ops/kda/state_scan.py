@@ -192,10 +192,15 @@ def state_terms_bwd_kernel(
         d(Gamma Q) = dO S^T,  dW = -dV~ S^T   (rows continuing from the previous chunk)
         dK_d = V~ dS^T,       d gamma_C = sum_v S * dS
     d_qg, d_w, d_kd [B,Tp,H,K] and d_gamma [B,NC,H,K], fp32.
+
+    The K blocks of a chunk are the grid's first axis, so they run side by side: each reads the
+    chunk's whole dO, V~ and dV~, and the K blocks after the first find them in L2. With the
+    chunk first, a chunk's K blocks would run NC programs apart, and at 64K tokens a head's dO,
+    V~ and dV~ (64 MB) would pass through the H100's and H200's 50 MB L2 between them.
     """
-    chunk, k_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
-    n_chunks = tl.num_programs(0)
+    n_chunks = tl.num_programs(1)
     Tp = n_chunks * C
     t0 = chunk * C
     rows = tl.arange(0, C)
