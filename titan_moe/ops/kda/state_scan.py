@@ -45,16 +45,21 @@ from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
 @triton.jit
 def chunk_scan_operands(K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H: tl.constexpr,
                         K: tl.constexpr, C: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """(K_d, W of the continuing rows, carry gamma_C or 0, the continuing rows)."""
+    """(K_d, W, carry gamma_C or 0, the rows continuing from the previous chunk: only they
+    read S, so the scans zero W S's other rows, or dV~'s before W^T dV~).
+
+    W's load takes no row mask: a mask from the document ids would make the asynchronous copy
+    of W wait for their load, one more global-memory round trip on every chunk's serial chain;
+    the ids are needed only after the first GEMM. W is finite on every row (ut_transform.py
+    writes all Tp), so the masked rows' products are dropped, not NaN."""
     k_ok = cols_k < K
     pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
     G_end = tl.load(G + ((b * Tp + t0 + C - 1) * H + h) * K + cols_k, mask=k_ok, other=0.0)
     d, d_before, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    cont = d == d_before
-    W_c = tl.load(W + pad_offs, mask=cont[:, None] & k_ok[None, :], other=0.0)
+    W_c = tl.load(W + pad_offs, mask=k_ok[None, :], other=0.0)
     k_d = tl.load(K_d + pad_offs, mask=k_ok[None, :], other=0.0)
     carry = tl.where(d_last == d_before, tl.exp(G_end), 0.0)
-    return k_d, W_c, carry, cont
+    return k_d, W_c, carry, d == d_before
 
 
 @triton.jit
@@ -65,14 +70,14 @@ def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chun
     """Chunk c of the forward scan: stores the state entering it and V~, returns S_next."""
     t0 = c * C
     v_ok = cols_v < V
-    k_d, W_c, carry, _ = chunk_scan_operands(
+    k_d, W_c, carry, cont = chunk_scan_operands(
         K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
     )
     v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     U_c = tl.load(U + v_offs, mask=v_ok[None, :], other=0.0)
     state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
     tl.store(h_states + state_base + state_offs, S, mask=state_ok)
-    v_c = U_c - mma(W_c, S, OPERAND)
+    v_c = U_c - tl.where(cont[:, None], mma(W_c, S, OPERAND), 0.0)
     v_stored = rounded_to(v_c, v_new.dtype.element_ty)
     tl.store(v_new + v_offs, v_stored, mask=v_ok[None, :])
     return carry[:, None] * S + mma(tl.trans(k_d), v_stored, OPERAND)
@@ -127,7 +132,7 @@ def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chun
     gradient of the state entering the chunk."""
     t0 = c * C
     v_ok = cols_v < V
-    k_d, W_c, carry, _ = chunk_scan_operands(
+    k_d, W_c, carry, cont = chunk_scan_operands(
         K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
     )
     state_addr = dh_states + ((b * n_chunks + c) * H + h).to(tl.int64) * K * V + state_offs
@@ -137,7 +142,8 @@ def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chun
     tl.store(state_addr, dS, mask=state_ok)
     dv_c = dv_out + mma(k_d, dS, OPERAND)
     tl.store(v_addr, dv_c, mask=v_ok[None, :])
-    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_c, OPERAND)
+    dv_cont = tl.where(cont[:, None], dv_c, 0.0)
+    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_cont, OPERAND)
 
 
 @triton.jit
