@@ -15,15 +15,17 @@ from the previous chunk read S, only the chunk's last document writes S_next, an
 zero when that document starts inside the chunk.
 
 The GEMMs take OPERAND (bf16 for half-precision inputs, fp32 accumulation, the state kept in
-fp32 between chunks), as fla's scans; the forward's update multiplies K_d by V~ in two bf16
-parts, V~ and its rounding residual, so V~'s rounding does not pile up in the state. Numeric
-range: only exp(G_r), exp(G_C) and exp(G_C - G_r) appear, all <= 1 (G nonincreasing), and each
-GEMM rounds its fp32 operands (S, W, K_d) by 2^-9 a term. Over bf16 inputs, the op as it is, the
-final state's error is at most 3.4e-3 relative RMS against float64 (bound 5e-3; 4.1e-3 with V~
-in one part, below 1e-5 on fp32 operands), the gradients' at most 5.2e-3 (bound 2e-2): nine
-cases, d_k 32-128, up to 1,000 tokens, random, pinned and near-zero gates, under the interpreter
-rounding to bf16 as the GPU does (chunk_common.round_to_bf16). The per-chunk states are indexed
-in int64: B·NC·H·K·V passes 2^31 from about 512K tokens at H 16, K = V = 128.
+fp32 between chunks), as fla's scans; the forward's update multiplies K_d by V~ as stored, one
+bf16 part, as fla's does: a second GEMM on V~'s rounding residual kept the final state's error
+at 3.2e-3 against 4.0e-3 without it (the worst case below, a near-zero gate), at the cost of a
+third GEMM on the serial chain of every chunk. Numeric range: only exp(G_r), exp(G_C) and
+exp(G_C - G_r) appear, all <= 1 (G nonincreasing), and each GEMM rounds its fp32 operands (S, W,
+K_d, V~) by 2^-9 a term. Over bf16 inputs, the op as it is, the final state's error is at most
+4.0e-3 relative RMS against float64 (bound 5e-3; below 1e-5 on fp32 operands), the gradients'
+at most 5.3e-3 (bound 2e-2): d_k 32-128, up to 1,000 tokens, random, pinned and near-zero gates,
+under the interpreter rounding to bf16 as the GPU does (chunk_common.round_to_bf16). The
+per-chunk states are indexed in int64: B·NC·H·K·V passes 2^31 from about 512K tokens at H 16,
+K = V = 128.
 """
 
 import triton
@@ -43,16 +45,21 @@ from titan_moe.ops.kda.chunk_common import chunk_documents, mma, rounded_to
 @triton.jit
 def chunk_scan_operands(K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H: tl.constexpr,
                         K: tl.constexpr, C: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """(K_d, W of the continuing rows, carry gamma_C or 0, the continuing rows)."""
+    """(K_d, W, carry gamma_C or 0, the rows continuing from the previous chunk: only they
+    read S, so the scans zero W S's other rows, or dV~'s before W^T dV~).
+
+    W's load takes no row mask: a mask from the document ids would make the asynchronous copy
+    of W wait for their load, one more global-memory round trip on every chunk's serial chain;
+    the ids are needed only after the first GEMM. W is finite on every row (ut_transform.py
+    writes all Tp), so the masked rows' products are dropped, not NaN."""
     k_ok = cols_k < K
     pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * K + cols_k[None, :]
     G_end = tl.load(G + ((b * Tp + t0 + C - 1) * H + h) * K + cols_k, mask=k_ok, other=0.0)
     d, d_before, d_last = chunk_documents(doc, b, t0, rows, T, C, HAS_DOCS)
-    cont = d == d_before
-    W_c = tl.load(W + pad_offs, mask=cont[:, None] & k_ok[None, :], other=0.0)
+    W_c = tl.load(W + pad_offs, mask=k_ok[None, :], other=0.0)
     k_d = tl.load(K_d + pad_offs, mask=k_ok[None, :], other=0.0)
     carry = tl.where(d_last == d_before, tl.exp(G_end), 0.0)
-    return k_d, W_c, carry, cont
+    return k_d, W_c, carry, d == d_before
 
 
 @triton.jit
@@ -63,20 +70,17 @@ def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chun
     """Chunk c of the forward scan: stores the state entering it and V~, returns S_next."""
     t0 = c * C
     v_ok = cols_v < V
-    k_d, W_c, carry, _ = chunk_scan_operands(
+    k_d, W_c, carry, cont = chunk_scan_operands(
         K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
     )
     v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     U_c = tl.load(U + v_offs, mask=v_ok[None, :], other=0.0)
     state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
     tl.store(h_states + state_base + state_offs, S, mask=state_ok)
-    v_c = U_c - mma(W_c, S, OPERAND)
+    v_c = U_c - tl.where(cont[:, None], mma(W_c, S, OPERAND), 0.0)
     v_stored = rounded_to(v_c, v_new.dtype.element_ty)
     tl.store(v_new + v_offs, v_stored, mask=v_ok[None, :])
-    update = mma(tl.trans(k_d), v_stored, OPERAND)
-    if v_new.dtype.element_ty == tl.bfloat16:
-        update += mma(tl.trans(k_d), v_c - v_stored.to(tl.float32), OPERAND)
-    return carry[:, None] * S + update
+    return carry[:, None] * S + mma(tl.trans(k_d), v_stored, OPERAND)
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chun
     gradient of the state entering the chunk."""
     t0 = c * C
     v_ok = cols_v < V
-    k_d, W_c, carry, _ = chunk_scan_operands(
+    k_d, W_c, carry, cont = chunk_scan_operands(
         K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
     )
     state_addr = dh_states + ((b * n_chunks + c) * H + h).to(tl.int64) * K * V + state_offs
@@ -138,7 +142,8 @@ def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chun
     tl.store(state_addr, dS, mask=state_ok)
     dv_c = dv_out + mma(k_d, dS, OPERAND)
     tl.store(v_addr, dv_c, mask=v_ok[None, :])
-    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_c, OPERAND)
+    dv_cont = tl.where(cont[:, None], dv_c, 0.0)
+    return carry[:, None] * dS + dS_out - mma(tl.trans(W_c), dv_cont, OPERAND)
 
 
 @triton.jit
@@ -193,10 +198,15 @@ def state_terms_bwd_kernel(
         d(Gamma Q) = dO S^T,  dW = -dV~ S^T   (rows continuing from the previous chunk)
         dK_d = V~ dS^T,       d gamma_C = sum_v S * dS
     d_qg, d_w, d_kd [B,Tp,H,K] and d_gamma [B,NC,H,K], fp32.
+
+    The K blocks of a chunk are the grid's first axis, so they run side by side: each reads the
+    chunk's whole dO, V~ and dV~, and the K blocks after the first find them in L2. With the
+    chunk first, a chunk's K blocks would run NC programs apart, and at 64K tokens a head's dO,
+    V~ and dV~ (64 MB) would pass through the H100's and H200's 50 MB L2 between them.
     """
-    chunk, k_block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_block, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
-    n_chunks = tl.num_programs(0)
+    n_chunks = tl.num_programs(1)
     Tp = n_chunks * C
     t0 = chunk * C
     rows = tl.arange(0, C)
