@@ -81,8 +81,7 @@ NUM_WARPS = {
 }
 # Pipeline stages of a kernel's loops (the scans: SCAN_STAGES). tile_products_kernel's one K
 # loop at 3: its loads staged in shared memory leave 96 registers a thread at 4 warps on sm_90
-# against 116 at one stage (5 programs an SM against 4; compiled as launched, pointers 16-byte
-# aligned: bench/kda_compile.py, without that specialization, counts 158 against 253), and the
+# against 116 at one stage (5 programs an SM against 4; bench/kda_compile.py), and the
 # next K blocks load during the GEMMs (the 1-stage measurement above was of its former
 # 16-column blocks, whose K loop ran once per block).
 NUM_STAGES = {"tile_products_kernel": 3}

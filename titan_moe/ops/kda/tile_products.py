@@ -13,7 +13,7 @@ their rows reloaded for each). Rounding the factored operands costs
 2^-9 of each term: over bf16 inputs, the op as it is, the output's error is at most 3.5e-3
 relative RMS against float64 (bound 5e-3; 1.7e-3, its own rounding to bf16, on fp32 operands),
 under the interpreter rounding to bf16 as the GPU does (chunk_common.round_to_bf16). So no GEMM
-is masked down to 16 rows, and the tiles are small (158 registers a thread at 4 warps and three
+is masked down to 16 rows, and the tiles are small (96 registers a thread at 4 warps and three
 stages on sm_90, no spill; bench/kda_compile.py).
 """
 
