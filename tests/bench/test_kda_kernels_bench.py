@@ -27,18 +27,21 @@ LAUNCHES = [
 def test_records_the_op_launches_and_times_each_setting(tmp_path):
     out = tmp_path / "kda_kernels.json"
     command = [sys.executable, str(BENCH / "kda_kernels.py"), "--device", "cpu", "--shape",
-               "1,64,1,16", "--warps", "2,4", "--stages", "1", "--iters", "1", "--out", str(out)]
+               "1,64,1,16", "--warps", "2,4", "--stages", "1,2", "--iters", "1", "--out", str(out)]
     child = subprocess.run(command, cwd=BENCH.parent, capture_output=True, text=True,
                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["launch"] for r in rows] == LAUNCHES
     for r in rows:
-        # fp32 inputs on CPU: IEEE GEMMs, so no operand setting; the op's own warps and stages
-        # (the scans' loop depth, a kernel's own num_stages, else Triton's default 3).
-        assert list(r["ms"]) == ["- w2 s1", "- w4 s1"], r["ms"]
-        assert all(isinstance(ms, float) and ms > 0 for ms in r["ms"].values())
+        # fp32 inputs on CPU: IEEE GEMMs, so no operand setting; the scans never at 1 stage; the
+        # op's own warps and stages (the scans' loop depth, a kernel's own num_stages, else
+        # Triton's default 3).
         kernel = r["launch"].split("#")[0]
+        want = ["- w2 s2", "- w4 s2"] if kernel in SCANS else [
+            "- w2 s1", "- w2 s2", "- w4 s1", "- w4 s2"]
+        assert list(r["ms"]) == want, r["ms"]
+        assert all(isinstance(ms, float) and ms > 0 for ms in r["ms"].values())
         stages = (chunk_triton.SCAN_STAGES if kernel in SCANS
                   else chunk_triton.NUM_STAGES.get(kernel, 3))
         assert r["own"] == f"- w{chunk_triton.NUM_WARPS[kernel]} s{stages}" and r["own_ms"] > 0
