@@ -83,14 +83,41 @@ def planned_peak_gib(args: TitanMoEArgs, length: int, ac: str, loss_chunk: int,
     return bench_estimate(cfg).peak / GIB
 
 
+class Memory:
+    """A length's allocated memory in GiB, from its first step on: CUDA's caching-allocator
+    counters (`cuda`), none elsewhere (0). --phase-peaks resets the peak counter at every
+    phase, so the counter alone ends with the last phase's peak; `step_peak` is the largest
+    over every reset, the steps' peak."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.earlier = cuda, 0.0
+        if cuda:  # the previous length's peak is not this one's
+            torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> float:
+        return torch.cuda.memory_allocated() / GIB if self.cuda else 0.0
+
+    def counter_peak(self) -> float:
+        """The peak since the counter's last reset."""
+        return torch.cuda.max_memory_allocated() / GIB if self.cuda else 0.0
+
+    def reset_counter(self) -> None:
+        self.earlier = max(self.earlier, self.counter_peak())
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def step_peak(self) -> float:
+        return max(self.earlier, self.counter_peak())
+
+
 class PhasePeaks:
     """Allocated memory by phase of one step: the forward (with the loss), the loss's backward,
     then each decoder layer's backward from the gradient of its output on (its recompute under
     AC included). `rows` holds, per phase, the GiB allocated at its start and its peak (CUDA;
     0 elsewhere), so the step's peak can be laid at one phase and set against the plan."""
 
-    def __init__(self, model: TitanMoE, cuda: bool):
-        self.cuda, self.rows, self.recording = cuda, [], False
+    def __init__(self, model: TitanMoE, memory: Memory):
+        self.memory, self.rows, self.recording = memory, [], False
         self.handles = [layer.register_forward_hook(self._on_output(int(i)))
                         for i, layer in model.layers.items()]
 
@@ -103,11 +130,10 @@ class PhasePeaks:
         return hook
 
     def mark(self, phase: str) -> None:
-        if self.rows and self.cuda:
-            self.rows[-1]["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated() / GIB if self.cuda else 0.0
+        if self.rows:
+            self.rows[-1]["peak_gib"] = self.memory.counter_peak()
+        self.memory.reset_counter()
+        start = self.memory.allocated()
         self.rows.append({"phase": phase, "start_gib": start, "peak_gib": start})
 
     def finish(self) -> list[dict]:
@@ -150,7 +176,7 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
     row = {"seq_len": length, "doc_len": min(doc_len, length)}
     if device == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    memory = Memory(device == "cuda")
     failed = False
     try:
         tokens = torch.randint(0, vocab, (1, length + 1), device=device)
@@ -168,7 +194,7 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         if phase_peaks:  # one more step, untimed: the hooks and their marks cost host time
-            phases = PhasePeaks(model, device == "cuda")
+            phases = PhasePeaks(model, memory)
             step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload, phases)
             row["phases"] = phases.finish()
     except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -183,9 +209,10 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
     else:
         seconds = sorted(times)[len(times) // 2]
         row.update(status="ok", step_s=seconds, us_per_token=1e6 * seconds / length)
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**30
+    if memory.cuda:  # the timed steps' and, with --phase-peaks, every phase's
+        peak = memory.step_peak()
         row.update(max_memory_allocated_gib=peak, gib_per_1k_tokens=1024 * peak / length)
+    if device == "cuda":
         torch.cuda.empty_cache()
     return row
 

@@ -148,3 +148,32 @@ def test_phase_peaks_follow_the_backward_layer_by_layer(tmp_path, monkeypatch):
     assert [p["phase"] for p in phases] == ["forward and loss", "backward, loss",
                                             "backward, layer 1", "backward, layer 0"]
     assert all(p["plan_recompute_gib"] > 0 for p in phases[2:])
+
+
+def test_the_row_peak_is_the_steps_over_every_phase(tmp_path, monkeypatch):
+    # --phase-peaks resets the allocator's peak counter at every phase; the row's peak must
+    # still be the largest of the length's steps (it printed the last phase's). A scripted
+    # allocator stands in for CUDA's: after its n-th reset the counter reads peaks[n] GiB (1:
+    # the timed step; 2-5: the phase step's forward, loss, layer 1, layer 0; 6: after the end).
+    bench = load_bench("long_context")
+    peaks = [9.0, 3.0, 2.0, 2.5, 7.0, 5.0, 1.0]
+    resets = [0]
+
+    def reset_peak_memory_stats():
+        resets[0] += 1
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda: peaks[min(resets[0], len(peaks) - 1)] * bench.GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0.5 * bench.GIB)
+    counters = bench.Memory
+    monkeypatch.setattr(bench, "Memory", lambda cuda: counters(True))  # on the CPU step
+    out = tmp_path / "lc.json"
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64",
+                                      "--phase-peaks", "--out", str(out)])
+    bench.main()
+    row = json.loads(out.read_text())["rows"][0]
+    assert resets[0] == 6
+    assert [p["peak_gib"] for p in row["phases"]] == peaks[2:6]
+    assert row["max_memory_allocated_gib"] == 7.0
+    assert row["planned_over_measured"] == row["planned_peak_gib"] / 7.0

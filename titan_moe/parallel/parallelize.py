@@ -33,7 +33,8 @@ from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_optio
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import TitanMoE
-from titan_moe.model.moe import GroupedExperts
+from titan_moe.model.moe import GroupedExperts, LatentMoE
+from titan_moe.model.situ_glu import SiTUGLU
 from titan_moe.parallel.context_parallel import apply_context_parallel, has_context_parallel
 from titan_moe.parallel.expert_parallel import apply_expert_parallel
 from titan_moe.parallel.fp32_modules import FP32_MODULES, fp32_islands
@@ -231,6 +232,14 @@ def _compile_around(
     module: nn.Module, compile_fn: Callable[..., Any], units: set[nn.Module]
 ) -> nn.Module:
     if not any(m in units for m in module.modules()):
+        if isinstance(module, (LatentMoE, SiTUGLU)) and module.token_chunk:
+            # By token chunks (model/token_chunks.py), one compiled graph a chunk, the loop over
+            # them eager: compiled whole, Inductor's backward of a MoE layer held every chunk's
+            # recompute at once (a CPU backward's peak grew 11 kB a token at d = 256 and
+            # chunks of 1024, the eager loop's 1 kB: its input gradient), so the chunks bounded
+            # nothing; each chunk's own backward graph frees its recompute before the next.
+            module._tokens = compile_fn(module._tokens)
+            return module
         return compile_fn(module)
     if module in units:
         if not isinstance(module, GroupedExperts):
