@@ -234,9 +234,9 @@ def _compile_around(
     if not any(m in units for m in module.modules()):
         if isinstance(module, (LatentMoE, SiTUGLU)) and module.token_chunk:
             # By token chunks (model/token_chunks.py), one compiled graph a chunk, the loop over
-            # them eager: compiled whole, Inductor's backward of a MoE layer held every chunk's
-            # recompute at once (a CPU backward's peak grew 11 kB a token at d = 256 and
-            # chunks of 1024, the eager loop's 1 kB: its input gradient), so the chunks bounded
+            # them eager. Compiled whole, Inductor's backward of a MoE layer held three chunks'
+            # recomputes at its peak (on CPU, d = 256, chunks of 1024: the backward's peak grew
+            # 11 kB a token, the eager loop's 1 kB, its input gradient), so the chunks bounded
             # nothing; each chunk's own backward graph frees its recompute before the next.
             module._tokens = compile_fn(module._tokens)
             return module
