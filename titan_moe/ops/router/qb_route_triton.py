@@ -1,8 +1,9 @@
 """Sigmoid top-(k+1) routing and the QB histogram in one Triton pass over the logits.
 
 One program takes whole rows of E scores and holds them in registers, one warp a program up to
-E = 2048: a row's reductions are then single warp instructions (sm_80+ `redux`), with no shared
-memory and no barrier. (Eight warps over four rows, as before, paid two barriers a reduction.)
+E = 2048: a row's reductions are then single warp instructions (sm_80+ `redux`), none through
+shared memory. (Eight warps over four rows, as before, paid two barriers a reduction: 136 a
+program for sm_90 as launched, against one warp's 2, from layout conversions; bench/qb_route.py.)
     s = σ(logit);  key = order-preserving int32 of s + b
 k+1 rounds each take the row max of the keys, the lowest expert index holding it (ties go to the
 lower index), and knock that one key out; int32 keys need one min/max instruction an element
