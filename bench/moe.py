@@ -20,6 +20,7 @@ import argparse
 import json
 
 import torch
+from report import environment
 from timing import device_profile, timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
@@ -107,11 +108,11 @@ def main() -> None:
                 for e in r.get("profile", []):
                     print(f"    {e['ms']:7.3f} ms {100 * e['share']:5.1f}%  x{e['calls']:<3} "
                           f"{e['kernel'][:90]}")
-    result = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
-              "torch": torch.__version__, "tokens": opts.tokens, "dtype": str(dtype),
-              "layers": rows}
-    with open(opts.out, "w") as f:
-        json.dump(result, f, indent=2)
+                # After every row, so a run stopped by a time limit keeps the rows it timed.
+                result = {**environment(), "tokens": opts.tokens, "dtype": str(dtype),
+                          "layers": rows}
+                with open(opts.out, "w") as f:
+                    json.dump(result, f, indent=2)
     print(f"wrote {opts.out}")
 
 
