@@ -35,6 +35,7 @@ import json
 import time
 
 import torch
+from report import environment
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
@@ -305,7 +306,8 @@ def main() -> None:
             print_phases(r["phases"], model_cfg, length)
         if args.out:  # after every length, so a crash keeps the rows measured so far
             with open(args.out, "w") as f:
-                json.dump({"flavor": args.flavor, "device": device, "ac": args.ac,
+                json.dump({"environment": environment(), "flavor": args.flavor,
+                           "device": device, "ac": args.ac,
                            "offload": args.offload, "loss_chunk": args.loss_chunk,
                            "moe_chunk": args.moe_chunk, "seq_segment": args.seq_segment,
                            "rows": rows}, f, indent=2)

@@ -49,6 +49,7 @@ def test_offload_step_runs_on_cpu_and_rows_carry_the_plan(tmp_path, monkeypatch)
         bench.main()
         result = json.loads(out.read_text())
         assert result["offload"] is offload and result["ac"] == "full"
+        assert result["environment"]["torch"] == torch.__version__
         rows = result["rows"]
         assert all(r["status"] == "ok" for r in rows)
         # More positions, no fewer planned bytes (at this size the gradients outweigh the
