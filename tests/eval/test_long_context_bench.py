@@ -14,6 +14,13 @@ from titan_moe.model import kda as kda_module
 from titan_moe.model import token_chunks
 
 
+def _run(bench, monkeypatch, out, *flags: str) -> dict:
+    """bench/long_context.py --tiny FLAGS --out OUT, run in this process; its JSON."""
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", *flags, "--out", str(out)])
+    bench.main()
+    return json.loads(out.read_text())
+
+
 def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatch, capsys):
     bench = load_bench("long_context")
     seen = []
@@ -26,10 +33,7 @@ def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatc
 
     monkeypatch.setattr(bench, "step", fake_step)
     out = tmp_path / "lc.json"
-    monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64,128,192",
-                                      "--out", str(out)])
-    bench.main()
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run(bench, monkeypatch, out, "--lengths", "64,128,192")["rows"]
     assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "ok"), (128, "oom"), (192, "ok")]
     assert seen == [64, 128, 192]
     table = capsys.readouterr().out
@@ -43,11 +47,9 @@ def test_offload_step_runs_on_cpu_and_rows_carry_the_plan(tmp_path, monkeypatch)
     losses = {}
     for offload in (False, True):
         out = tmp_path / f"lc{offload}.json"
-        argv = ["long_context.py", "--tiny", "--lengths", "64,128", "--out", str(out)]
-        monkeypatch.setattr(sys, "argv", argv + (["--offload"] if offload else []))
         torch.manual_seed(0)
-        bench.main()
-        result = json.loads(out.read_text())
+        result = _run(bench, monkeypatch, out, "--lengths", "64,128",
+                      *(["--offload"] if offload else []))
         assert result["offload"] is offload and result["ac"] == "full"
         assert result["environment"]["torch"] == torch.__version__
         rows = result["rows"]
@@ -96,11 +98,8 @@ def test_moe_chunk_reaches_the_model_and_the_plan(tmp_path, monkeypatch):
     losses = {}
     for chunk in (0, 48):
         out = tmp_path / f"lc{chunk}.json"
-        monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64,128",
-                                          "--moe-chunk", str(chunk), "--out", str(out)])
         torch.manual_seed(0)
-        bench.main()
-        result = json.loads(out.read_text())
+        result = _run(bench, monkeypatch, out, "--lengths", "64,128", "--moe-chunk", str(chunk))
         assert result["moe_chunk"] == chunk
         losses[chunk] = [r["loss_per_token"] for r in result["rows"]]
     assert planned_chunks == [0, 0, 48, 48]
@@ -121,11 +120,9 @@ def test_seq_segment_reaches_the_model_the_plan_and_every_row(tmp_path, monkeypa
     losses = {}
     for segment in (0, 64):
         out = tmp_path / f"lc{segment}.json"
-        monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "128,192",
-                                          "--seq-segment", str(segment), "--out", str(out)])
         torch.manual_seed(0)
-        bench.main()
-        result = json.loads(out.read_text())
+        result = _run(bench, monkeypatch, out, "--lengths", "128,192",
+                      "--seq-segment", str(segment))
         assert result["seq_segment"] == segment
         assert [r["seq_segment"] for r in result["rows"]] == [segment] * 2
         losses[segment] = [r["loss_per_token"] for r in result["rows"]]
@@ -142,10 +139,7 @@ def test_phase_peaks_follow_the_backward_layer_by_layer(tmp_path, monkeypatch):
     # with the plan's recompute of it. No CUDA: the GiB are 0, the order is the check.
     bench = load_bench("long_context")
     out = tmp_path / "lc.json"
-    monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64",
-                                      "--phase-peaks", "--out", str(out)])
-    bench.main()
-    phases = json.loads(out.read_text())["rows"][0]["phases"]
+    phases = _run(bench, monkeypatch, out, "--lengths", "64", "--phase-peaks")["rows"][0]["phases"]
     assert [p["phase"] for p in phases] == ["forward and loss", "backward, loss",
                                             "backward, layer 1", "backward, layer 0"]
     assert all(p["plan_recompute_gib"] > 0 for p in phases[2:])
@@ -170,10 +164,7 @@ def test_the_row_peak_is_the_steps_over_every_phase(tmp_path, monkeypatch):
     counters = bench.Memory
     monkeypatch.setattr(bench, "Memory", lambda cuda: counters(True))  # on the CPU step
     out = tmp_path / "lc.json"
-    monkeypatch.setattr(sys, "argv", ["long_context.py", "--tiny", "--lengths", "64",
-                                      "--phase-peaks", "--out", str(out)])
-    bench.main()
-    row = json.loads(out.read_text())["rows"][0]
+    row = _run(bench, monkeypatch, out, "--lengths", "64", "--phase-peaks")["rows"][0]
     assert resets[0] == 6
     assert [p["peak_gib"] for p in row["phases"]] == peaks[2:6]
     assert row["max_memory_allocated_gib"] == 7.0
