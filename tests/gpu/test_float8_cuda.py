@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from float8 import convert_dense_linears, convert_routed_experts
 from float8.grouped import TOKEN_GROUP_ALIGNMENT
 from float8.grouped_reference import rowwise_float8_grouped_mm
+from titan_moe.model import moe as moe_module
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
-from titan_moe.model.moe import GroupedExperts, situ_glu
+from titan_moe.model.moe import GroupedExperts
 from titan_moe.parallel.parallelize import apply_compile
 from titan_moe.train.config import Float8
 
@@ -58,17 +59,14 @@ class Experts(nn.Module):
         self.group_align = 1
 
 
-def _emulated_experts(experts: GroupedExperts, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """GroupedExperts.forward with each grouped GEMM replaced by its rowwise float8 emulation
-    (the weights cast to bf16 first, as grouped_mm casts them)."""
-    def mm(a, w):
-        return rowwise_float8_grouped_mm(a, w.mT.to(torch.bfloat16), offs)
-
-    h = situ_glu(mm(x, experts.w1), mm(x, experts.w3), experts.beta1, experts.beta2)
-    return mm(h, experts.w2)
+def _emulated_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                          zero_padding_rows: bool = True) -> torch.Tensor:
+    """titan_moe.ops.grouped_mm's signature, the rowwise float8 recipe's emulation inside (the
+    weights cast to bf16 first, as grouped_mm casts them; every row is in a group here)."""
+    return rowwise_float8_grouped_mm(x, w.to(torch.bfloat16), offs)
 
 
-def test_float8_grouped_gemm_with_16_row_groups_matches_its_emulation():
+def test_float8_grouped_gemm_with_16_row_groups_matches_its_emulation(monkeypatch):
     """The proxy's expert shapes (latent 1024, hidden 768); group sizes multiples of 16 as our
     dispatch pads them, one of them empty; forward and backward. Each of the output and the three
     weights' and the input's gradients is, against the bf16 layer, within KERNEL_LOSS_DB of what
@@ -87,11 +85,13 @@ def test_float8_grouped_gemm_with_16_row_groups_matches_its_emulation():
     assert convert_routed_experts(holder, Float8(moe=True)) == ["experts"]
     assert holder.group_align == TOKEN_GROUP_ALIGNMENT
     results = []
-    for module, forward in ((reference, reference), (holder.experts, holder.experts),
-                            (emulated, lambda xi, o: _emulated_experts(emulated, xi, o))):
-        xi = x.clone().requires_grad_()
-        out = forward(xi, offs)
-        out.float().square().mean().backward()
+    for module in (reference, holder.experts, emulated):
+        with monkeypatch.context() as patch:
+            if module is emulated:  # its own forward, each grouped GEMM emulated
+                patch.setattr(moe_module, "grouped_mm", _emulated_grouped_mm)
+            xi = x.clone().requires_grad_()
+            out = module(xi, offs)
+            out.float().square().mean().backward()
         results.append((out, xi.grad, *(w.grad for w in (module.w1, module.w3, module.w2))))
     names = ("output", "input grad", "w1 grad", "w3 grad", "w2 grad")
     for name, want, got, emulation in zip(names, *results, strict=True):
