@@ -11,7 +11,9 @@ eager and compiled (median of --iters after --warmup), for:
 The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
 E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
 Prints a table and writes JSON (--out); --profile N adds each row's N largest kernels of one
-forward+backward by device time (where ours loses to torchtitan's). torchtitan's MoE is timed
+forward+backward by device time (where ours loses to torchtitan's), its device time by kernel
+class with the idle rest, and the host's time to issue it (close to the f+b time: the row is
+host-bound, and fewer launches or CUDA graphs pay, not faster kernels). torchtitan's MoE is timed
 on CUDA only: its router calls torch.histc on int64, which has no CPU kernel.
 The router alone: bench/qb_route.py.
 """
@@ -21,7 +23,7 @@ import json
 
 import torch
 from report import environment
-from timing import device_profile, timed
+from timing import device_profile, host_issue_ms, timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_moe.cli_args import non_negative, positive
@@ -65,7 +67,10 @@ def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters, top
     r = {"fwd_ms": timed(fwd, device, warmup, iters),
          "fwd_bwd_ms": timed(fwd_bwd, device, warmup, iters)}
     if top and device == "cuda":
-        r["profile"] = device_profile(fwd_bwd, r["fwd_bwd_ms"], top=top)["top"]
+        profile = device_profile(fwd_bwd, r["fwd_bwd_ms"], top=top)
+        r["profile"] = profile["top"]
+        r["classes"] = [{k: c[k] for k in ("class", "ms", "share")} for c in profile["by_class"]]
+        r["host_fwd_bwd_ms"] = host_issue_ms(fwd_bwd, device, iters)
     return r
 
 
@@ -105,6 +110,9 @@ def main() -> None:
                 rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
                 print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
                       f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
+                if "classes" in r:
+                    print(f"    host issues f+b in {r['host_fwd_bwd_ms']:.3f} ms; " + ", ".join(
+                        f"{c['class']} {c['ms']:.3f}" for c in r["classes"]))
                 for e in r.get("profile", []):
                     print(f"    {e['ms']:7.3f} ms {100 * e['share']:5.1f}%  x{e['calls']:<3} "
                           f"{e['kernel'][:90]}")
