@@ -194,7 +194,17 @@ def main(argv: list[str] | None = None) -> None:
         args = get_flavor("proxy")
     cfg = Float8(enable=True, moe=True, recipe=ns.recipe, filter_min_size=ns.filter_min_size,
                  emulate=ns.tiny)
-    runs = compare([run_variant(args, v, cfg, ns, device) for v in ns.variants])
+    runs = []
+    for variant in ns.variants:
+        runs = compare([*runs, run_variant(args, variant, cfg, ns, device)])
+        # After every variant, so a run stopped by a time limit keeps the variants it finished.
+        if ns.out:
+            ns.out.parent.mkdir(parents=True, exist_ok=True)
+            ns.out.write_text(json.dumps({
+                "environment": environment(), "flavor": "tiny" if ns.tiny else "proxy",
+                "steps": ns.steps, "batch": ns.batch, "seq_len": ns.seq_len,
+                "compile": ns.compile, "ac": ns.ac, "recipe": ns.recipe,
+                "filter_min_size": ns.filter_min_size, "runs": runs}, indent=2))
     print(f"| variant | tokens/s | step ms | MFU | final loss (last {FINAL_STEPS}) | vs bf16 "
           f"tokens/s | loss gap | targets (>= {SPEEDUP_TARGET}x, < {100 * LOSS_GAP_TARGET:g}%) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -203,14 +213,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {mfu} | "
               f"{r['final_loss']:.4f} | {r['speedup']:.3f}x | {100 * r['final_loss_gap']:+.2f}% "
               f"| {TARGETS[r['meets_targets']]} |")
-    result = {"environment": environment(), "flavor": "tiny" if ns.tiny else "proxy",
-              "steps": ns.steps, "batch": ns.batch,
-              "seq_len": ns.seq_len, "compile": ns.compile, "ac": ns.ac, "recipe": ns.recipe,
-              "filter_min_size": ns.filter_min_size, "runs": runs}
-    if ns.out:
-        ns.out.parent.mkdir(parents=True, exist_ok=True)
-        ns.out.write_text(json.dumps(result, indent=2))
-
 
 if __name__ == "__main__":
     main()
