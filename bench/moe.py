@@ -4,7 +4,8 @@
     python bench/moe.py --tiny                  # smoke run at tiny shapes (CPU)
 
 For each shape (d, expert hidden, E, top-k) and T tokens it times forward and forward+backward,
-eager and compiled (median of --iters after --warmup), for:
+eager and compiled, and with --graphs compiled with CUDA graphs as training runs the layer
+(mode "reduce-overhead": no host time between kernels) (median of --iters after --warmup), for:
   titan_moe  LatentMoE with latent width = d (so its experts have torchtitan's shapes), one shared
              expert of the same hidden width, the QB histogram on;
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
@@ -30,6 +31,8 @@ from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.moe import LatentMoE
 
 ISSUE_SHAPES = "512,256,128,4;2048,768,128,8;3584,3072,128,16;2048,768,64,8;3584,3072,384,16"
+# torch.compile's mode for each compiled row.
+COMPILE_MODES = {"compiled": None, "graphed": "reduce-overhead"}
 TINY = {"tokens": 64, "shapes": "32,16,8,2", "warmup": 1, "iters": 2}
 
 
@@ -50,10 +53,10 @@ def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dty
     return layer.train()
 
 
-def bench_layer(kind, shape, tokens, device, dtype, compiled, warmup, iters, top) -> dict:
+def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top) -> dict:
     d, hidden, experts, k = shape
     layer = build(kind, d, hidden, experts, k, device, dtype)
-    fn = torch.compile(layer) if compiled else layer
+    fn = layer if mode == "eager" else torch.compile(layer, mode=COMPILE_MODES[mode])
     x = torch.randn(1, tokens, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -82,6 +85,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=non_negative, default=3)
     parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CUDA: also compiled with CUDA graphs (rows 'graphed')")
     parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
                         help="CUDA: list each row's N largest kernels of one forward+backward")
     parser.add_argument("--tiny", action="store_true",
@@ -93,7 +98,10 @@ def main() -> None:
         vars(opts).update(TINY)
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split(",")) for s in opts.shapes.split(";")]
-    modes = [False] if opts.no_compile else [False, True]
+    if opts.graphs and opts.device != "cuda":
+        parser.error("--graphs: CUDA graphs need --device cuda")
+    modes = ["eager"] + ([] if opts.no_compile else ["compiled"]) + (
+        ["graphed"] if opts.graphs else [])
     # torchtitan 0.2.2's router calls torch.histc on int64, which has no CPU kernel.
     kinds = ("titan_moe", "torchtitan") if opts.device == "cuda" else ("titan_moe",)
     if opts.device != "cuda":
@@ -102,11 +110,10 @@ def main() -> None:
     print(f"{'layer':<11} {'d':>5} {'hidden':>6} {'E':>4} {'k':>3} {'mode':<8} "
           f"{'fwd ms':>8} {'fwd+bwd ms':>11}")
     for shape in shapes:
-        for compiled in modes:
+        for mode in modes:
             for kind in kinds:
-                r = bench_layer(kind, shape, opts.tokens, opts.device, dtype, compiled,
+                r = bench_layer(kind, shape, opts.tokens, opts.device, dtype, mode,
                                 opts.warmup, opts.iters, opts.profile)
-                mode = "compiled" if compiled else "eager"
                 rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
                 print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
                       f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
