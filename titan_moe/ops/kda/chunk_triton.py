@@ -60,31 +60,30 @@ MAX_HEAD_DIM = 256
 # shared memory). Each kernel's module says what bf16 costs in accuracy.
 GEMMS = "bf16"
 # Pipeline stages of the scans' chunk loops (bench/kda_kernels.py times other depths).
-SCAN_STAGES = 2
-# Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts). On the
-# H100 (2026-12-05) tile_products took 0.29 ms alone at 4 warps and 1 stage against 1.05 at 8
-# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (then 48 B
-# of spills at 2 warps on sm_90, still faster: its programs are small and many).
+SCAN_STAGES = 3
+# Warps a program, by kernel, and pipeline stages where not Triton's default of 3: each
+# kernel's fastest of 2/4/8 warps x 1-3 stages alone at (1, 8192, 16, 128), bf16, on the H100
+# (bench/kda_kernels.py, 2026-12-05, kda_kernels-2026-12-05-h100-64df522.json), where a
+# setting beat the former one by more than 5%. The scans at 4 warps and 3 stages took 0.220,
+# 0.204 (forward, twice) and 0.263 ms (backward) against 0.366, 0.355, 0.434 at 8 warps and 2;
+# tile_products 0.176 at 2 warps and 2 stages against 0.204 at 4 and 3; state_terms_bwd 0.258
+# at 4 warps against 0.301 at 8. One stage is never used: the forward scan at 8 warps and
+# ut_transform_bwd at 4 ended in an illegal memory access there on the H100.
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
-    "tile_products_kernel": 4,
+    "tile_products_kernel": 2,
     "unit_lower_inverse_kernel": 1,
     "ut_transform_kernel": 8,
-    "state_scan_fwd_kernel": 8,
+    "state_scan_fwd_kernel": 4,
     "chunk_output_kernel": 8,
     "chunk_output_bwd_kernel": 8,
-    "state_scan_bwd_kernel": 8,
-    "state_terms_bwd_kernel": 8,
+    "state_scan_bwd_kernel": 4,
+    "state_terms_bwd_kernel": 4,
     "ut_transform_bwd_kernel": 8,
     "tile_products_bwd_kernel": 2,
     "gate_cumsum_bwd_kernel": 4,
 }
-# Pipeline stages of a kernel's loops (the scans: SCAN_STAGES). tile_products_kernel's one K
-# loop at 3: its loads staged in shared memory leave 96 registers a thread at 4 warps on sm_90
-# against 116 at one stage (5 programs an SM against 4; bench/kda_compile.py), and the
-# next K blocks load during the GEMMs (the 1-stage measurement above was of its former
-# 16-column blocks, whose K loop ran once per block).
-NUM_STAGES = {"tile_products_kernel": 3}
+NUM_STAGES = {"tile_products_kernel": 2}
 
 
 def _precise(x: Tensor) -> str:
