@@ -20,7 +20,8 @@ segment first, each from the state entering it (one more forward pass over the s
 those states first). Both then hold one segment's buffers at any length, for that extra pass at
 long context. With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
 g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) themselves, and its chunk-local cumsum, and
-return the gradient of g_raw.
+return the gradients of g_raw, A_log and dt_bias (the last two summed per chunk by the gate's
+backward kernel, then over chunks here: B * n_chunks * H * K floats, not the [B,T,H,K] tensors).
 
 Inductor cannot compile user Triton kernels for CPU tensors, so callers pick this op for CUDA
 tensors only (`titan_moe.ops.kda.chunk_kda` branches on the device); tests call it on CPU
@@ -261,8 +262,9 @@ def chunk_kda_fwd(
 
 def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
                       g_min, matrices=None):
-    """One segment's backward: (dq, dk, dv, dg fp32, dbeta fp32, d initial_state or None).
-    `matrices`: the forward's (A_qk, KK, Tinv), else recomputed."""
+    """One segment's backward: (dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state or
+    None, (dA_log, d_dt_bias) fp32 or None). `matrices`: the forward's (A_qk, KK, Tinv), else
+    recomputed."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -321,13 +323,19 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         PRECISION=_precise(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
     )  # fmt: skip
     del dA, dP, d_qg, d_w
-    dg = torch.empty(g.shape, **f32)
+    dg = torch.empty_like(g)
+    fused = A_log is not None
+    d_gate_params = torch.empty(2, batch, n_chunks, heads, d_k, **f32) if fused else None
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
-        g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
+        g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, d_gate_params, g_min, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
-        FUSED_GATE=A_log is not None, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
+        FUSED_GATE=fused, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
     )  # fmt: skip
-    return dq, dk, dv, dg, dbeta, d_initial
+    gate_grads = None
+    if fused:
+        # Summed apart, so neither returned gradient is a view of the other's buffer.
+        gate_grads = (d_gate_params[1].sum((0, 1, 3)), d_gate_params[0].sum((0, 1)).reshape(-1))
+    return dq, dk, dv, dg, dbeta, d_initial, gate_grads
 
 
 @triton_op("titan_moe::chunk_kda_bwd", mutates_args=())
@@ -348,9 +356,10 @@ def chunk_kda_bwd(
     A_qk: Tensor | None = None,
     KK: Tensor | None = None,
     Tinv: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one). A_qk, KK,
-    Tinv: the forward's kept chunk matrices (a sequence of one segment), else recomputed."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state fp32, dA_log fp32 [H],
+    d_dt_bias fp32 [H*K]; each of the last three empty without its input). A_qk, KK, Tinv: the
+    forward's kept chunk matrices (a sequence of one segment), else recomputed."""
     seq_len = q.shape[1]
     if seq_len <= SEGMENT:
         matrices = None if A_qk is None else (A_qk, KK, Tinv)
@@ -365,8 +374,9 @@ def chunk_kda_bwd(
             entering.append(_entering(final, doc, next_start))
         f32 = dict(device=q.device, dtype=torch.float32)
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                 torch.empty(g.shape, **f32), torch.empty(beta.shape, **f32))
+                 torch.empty_like(g), torch.empty(beta.shape, **f32))
         d_state = d_final
+        gate_grads = None
         for (start, end), state in zip(reversed(segments), reversed(entering), strict=True):
             rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
             segment = _backward_segment(*rows, A_log, dt_bias, state, _tokens(do, start, end),
@@ -374,11 +384,15 @@ def chunk_kda_bwd(
             for whole, part in zip(grads, segment[:5], strict=True):
                 whole[:, start:end] = part
             d_state = _entering(segment[5], doc, start)
+            if segment[6] is not None:
+                gate_grads = segment[6] if gate_grads is None else tuple(
+                    total + part for total, part in zip(gate_grads, segment[6], strict=True))
             del segment, part  # not held through the next segment's backward
-        grads = (*grads, d_state)
-    if grads[5] is None:
-        grads = (*grads[:5], q.new_empty(0, dtype=torch.float32))
-    return grads
+        grads = (*grads, d_state, gate_grads)
+    empty = q.new_empty(0, dtype=torch.float32)
+    d_initial = empty if grads[5] is None else grads[5]
+    gate_grads = (empty.clone(), empty.clone()) if grads[6] is None else grads[6]
+    return (*grads[:5], d_initial, *gate_grads)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -394,18 +408,15 @@ def _backward(ctx, do: Tensor, d_final: Tensor | None, *_matrices_grads):
     q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, KK, Tinv = ctx.saved_tensors
     if d_final is not None and d_final.numel() == 0:
         d_final = None
-    dq, dk, dv, dg, dbeta, d_initial = chunk_kda_bwd(
+    dq, dk, dv, dg, dbeta, d_initial, dA_log, d_dt_bias = chunk_kda_bwd(
         q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
         None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min, A_qk, KK, Tinv,
     )  # fmt: skip
-    dA_log = d_dt_bias = None
-    if A_log is not None:
-        # dg is the gradient of g_raw: d gate / d A_log = (d gate / d g_raw) (g_raw + dt_bias).
-        heads, d_k = g.shape[-2:]
-        d_dt_bias = dg.sum((0, 1)).reshape(-1).to(dt_bias.dtype)
-        pre = g.float() + dt_bias.float().view(heads, d_k)
-        dA_log = (dg * pre).sum((0, 1, 3)).to(A_log.dtype)
-    return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), None, dA_log, d_dt_bias,
+    if A_log is None:
+        dA_log = d_dt_bias = None
+    else:
+        dA_log, d_dt_bias = dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype)
+    return (dq, dk, dv, dg, dbeta.to(beta.dtype), None, dA_log, d_dt_bias,
             None if initial_state is None else d_initial.to(initial_state.dtype),
             None, None, None, None)
 

@@ -8,7 +8,12 @@ batch*head); G is padded to Tp = cdiv(T, C) * C rows, the rows past T holding g 
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.chunk_common import chunk_documents, kda_gate_from_raw, keys_decayed_to_end
+from titan_moe.ops.kda.chunk_common import (
+    chunk_documents,
+    kda_gate_from_raw,
+    keys_decayed_to_end,
+    rounded_to,
+)
 
 
 @triton.jit
@@ -41,11 +46,16 @@ def gate_cumsum_kernel(
 
 @triton.jit
 def gate_cumsum_bwd_kernel(
-    g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, T,
+    g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, d_gate_params, g_min, T,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     HAS_DOCS: tl.constexpr, FUSED_GATE: tl.constexpr,
 ):  # fmt: skip
-    """dg [B,T,H,K] fp32 (of g_raw with FUSED_GATE): the reverse cumsum of dG within the chunk.
+    """dg [B,T,H,K] in g's dtype (of g_raw with FUSED_GATE): the reverse cumsum of dG within
+    the chunk. With FUSED_GATE also the chunk's share of the gate parameters' gradients,
+    d_gate_params [2, B, n_chunks, H, K] fp32: sum_t dg (dt_bias's) and sum_t dg (g_raw +
+    dt_bias) (A_log's, before its sum over K). They are summed from the fp32 dg here, in the
+    pass that already holds it, where summing them outside read dg and g_raw again and wrote two
+    more [B,T,H,K] fp32 tensors (g_raw + dt_bias and its product with dg).
 
     gamma_C = exp(G_C) reaches G's last row twice: through K_d = (gamma_C / Gamma) K, as
     sum_r K_d dK_d, and as the state's carry (when the chunk's last document continues from
@@ -81,6 +91,11 @@ def gate_cumsum_bwd_kernel(
         A_log_h = tl.load(A_log + h).to(tl.float32)
         g_raw = tl.load(g + in_offs, mask=in_mask, other=0.0).to(tl.float32)
         dt_row = tl.load(dt_bias + h * K + cols_k, mask=k_ok, other=0.0).to(tl.float32)
-        gate = tl.sigmoid(tl.exp(A_log_h) * (g_raw + dt_row[None, :]))
-        dg_c = dg_c * g_min * gate * (1.0 - gate) * tl.exp(A_log_h)
-    tl.store(dg + in_offs, dg_c, mask=in_mask)
+        pre = g_raw + dt_row[None, :]
+        gate = tl.sigmoid(tl.exp(A_log_h) * pre)
+        dg_c = tl.where(in_mask, dg_c * g_min * gate * (1.0 - gate) * tl.exp(A_log_h), 0.0)
+        part = ((b * n_chunks + chunk) * H + h) * K + cols_k
+        plane = tl.num_programs(2) * n_chunks * K  # B * n_chunks * H * K
+        tl.store(d_gate_params + part, tl.sum(dg_c, axis=0), mask=k_ok)
+        tl.store(d_gate_params + plane + part, tl.sum(dg_c * pre, axis=0), mask=k_ok)
+    tl.store(dg + in_offs, rounded_to(dg_c, dg.dtype.element_ty), mask=in_mask)
