@@ -124,7 +124,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
     f32 = dict(device=q.device, dtype=torch.float32)
     operand = _operand(q)
     G = torch.empty(batch, padded, heads, d_k, **f32)
-    # W and K_d feed only the scans' GEMMs (gate_cumsum_bwd_kernel recomputes K_d), so they are
+    # W and K_d feed only the scans' GEMMs (tile_products_bwd_kernel recomputes K_d), so they are
     # stored as those GEMMs' operands: bf16 halves the scans' loads and changes no value.
     scan_dtype = torch.bfloat16 if operand.startswith("bf16") else torch.float32
     W = torch.empty(batch, padded, heads, d_k, device=q.device, dtype=scan_dtype)
@@ -318,21 +318,22 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     del KK, Tinv, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
     dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
+    d_end_parts = torch.empty(batch, n_chunks, CHUNK // SUBTILE, heads, d_k, **f32)
     wrap_triton(tile_products_bwd_kernel)[(CHUNK // SUBTILE * n_k_blocks, n_chunks,
                                           batch * heads)](
-        q, k, G, doc, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
+        q, k, G, doc, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, d_end_parts, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
         PRECISION=_precise(q), INTERPRETED=triton.knobs.runtime.interpret,
         num_warps=NUM_WARPS["tile_products_bwd_kernel"],
         num_stages=NUM_STAGES["tile_products_bwd_kernel"],
     )  # fmt: skip
-    del dA, dP, d_qg, d_w
+    del dA, dP, d_qg, d_w, d_kd
     dg = torch.empty_like(g)
     fused = A_log is not None
     d_gate_params = torch.empty(2, batch, n_chunks, heads, d_k, **f32) if fused else None
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
-        g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, d_gate_params, g_min, seq_len,
-        H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
+        g, A_log, dt_bias, G, d_end_parts, d_gamma, dG, doc, dg, d_gate_params, g_min, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, TILES=CHUNK // SUBTILE, HAS_DOCS=doc is not None,
         FUSED_GATE=fused, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
     )  # fmt: skip
     gate_grads = None

@@ -121,11 +121,14 @@ def _column_terms(dk_acc, j, q, k, G, dA, dP, G_m, rows, scale, b, h, t0, T, Tp,
 
 @triton.jit
 def tile_products_bwd_kernel(
-    q, k, G, doc, dA, dP, d_qg, mt_dw, d_kd, dq, dk, dG, scale, T,
+    q, k, G, doc, dA, dP, d_qg, mt_dw, d_kd, dq, dk, dG, d_end_parts, scale, T,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SUBTILE: tl.constexpr,
     HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """dq, dk [B,T,H,K] in their inputs' dtype and dG [B,Tp,H,K] fp32 of one tile's rows.
+    """dq, dk [B,T,H,K] in their inputs' dtype and dG [B,Tp,H,K] fp32 of one tile's rows, and
+    the tile's sum_r K_d dK_d, d_end_parts [B, n_chunks, C/16, H, K] fp32: the gate's backward
+    adds the four to G's last row without reading k, G and dK_d again (it has no other use
+    for them), and this kernel holds every factor already.
 
     The decayed products differentiate into a row's q and k (its row of dA_qk and dKK) and into
     a column's k (its column): one program per (16-row tile and K block, chunk, batch*head)
@@ -239,8 +242,13 @@ def tile_products_bwd_kernel(
     dq_c = d_qg_s * decay + dA_diag * k_s + dq_a
     tl.store(dq + row_offs, rounded_to(dq_c * scale, dq.dtype.element_ty), mask=row_mask)
     dk_t += tl.exp(G_m[None, :] - G_s) * dk_after  # <= 1
-    dk_c = d_gk * decay + d_kd_s * to_end + dA_diag * q_s + dk_row + dk_t
+    d_kd_end = d_kd_s * to_end
+    dk_c = d_gk * decay + d_kd_end + dA_diag * q_s + dk_row + dk_t
     dG_c = (q_s * (decay * d_qg_s + dq_a)
-            + k_s * (decay * d_gk - to_end * d_kd_s + dk_row - dk_t))
+            + k_s * (decay * d_gk - d_kd_end + dk_row - dk_t))
     tl.store(dk + row_offs, rounded_to(dk_c, dk.dtype.element_ty), mask=row_mask)
     tl.store(dG + pad_rows, dG_c, mask=k_ok[None, :])
+    # The tile's share of sum_r K_d dK_d, what K_d gives G's last row (gate_cumsum.py).
+    n_tiles = C // SUBTILE
+    part = (((b * tl.num_programs(1) + chunk) * n_tiles + tile) * H + h) * K + cols_k
+    tl.store(d_end_parts + part, tl.sum(k_s * d_kd_end, axis=0), mask=k_ok)
