@@ -121,7 +121,7 @@ def test_kda_kernels_write_only_their_outputs():
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},
                    "state_terms_bwd_kernel": {"d_qg", "d_w", "d_kd", "d_gamma"},
                    "ut_transform_bwd_kernel": {"dv", "dbeta", "dA", "dP", "d_w"},
-                   "tile_products_bwd_kernel": {"dq", "dk", "dG"},
+                   "tile_products_bwd_kernel": {"dq", "dk", "dG", "d_end_parts"},
                    "gate_cumsum_bwd_kernel": {"dg"}}
 
 

@@ -54,9 +54,10 @@ def segments_of_128(monkeypatch):
 
 
 def test_kda_op_backward_by_segments_holds_one_segments_buffers(segments_of_128):
-    """T 512 in segments of 128: dO and the whole gradients (dq, dk, dv bf16; dg, dbeta fp32),
+    """T 512 in segments of 128: dO and the whole gradients (dq, dk, dv, dg bf16; dbeta fp32),
     the states entering the three later segments, a middle segment's state gradient coming in
-    and going out, and one segment's own buffers; four times fewer of those than run whole."""
+    and going out, the fused gate's dA_log and d_dt_bias (fp32, summed over the later
+    segments), and one segment's own buffers; four times fewer of those than run whole."""
     t, k, segment, state = 512, 128, 128, 128 * 128 * 4
-    held = t * k * 2 + 3 * t * k * 2 + t * k * 4 + t * 4 + 3 * state + 2 * state
+    held = t * k * 2 + 4 * t * k * 2 + t * 4 + 3 * state + 2 * state + (1 + k) * 4
     assert kda_backward_workspace(1, t, 1, k, k) == held + state_terms_buffers(segment, k)

@@ -70,7 +70,8 @@ def kda_gate_from_raw(g_raw, A_log_h, dt_bias_row, g_min):
 def keys_decayed_to_end(k_c, G_c, G_end, last_doc):
     """K_d = (gamma_C / Gamma) * K on the rows of the chunk's last document, 0 on the others:
     the keys the state scans multiply by. The UT transform writes it as the scans' operand;
-    the gate's backward recomputes it in fp32 from the same formula."""
+    tile_products_bwd_kernel takes the same factors in fp32 (k, exp(G_end - G)) for
+    sum_r K_d dK_d, the gate's gradient at the chunk's end."""
     return tl.where(last_doc[:, None], k_c * tl.exp(G_end[None, :] - G_c), 0.0)
 
 

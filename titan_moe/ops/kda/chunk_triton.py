@@ -20,7 +20,8 @@ segment first, each from the state entering it (one more forward pass over the s
 those states first). Both then hold one segment's buffers at any length, for that extra pass at
 long context. With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
 g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) themselves, and its chunk-local cumsum, and
-return the gradient of g_raw.
+return the gradients of g_raw, A_log and dt_bias (the last two summed per chunk by the gate's
+backward kernel, then over chunks here: B * n_chunks * H * K floats, not the [B,T,H,K] tensors).
 
 Inductor cannot compile user Triton kernels for CPU tensors, so callers pick this op for CUDA
 tensors only (`titan_moe.ops.kda.chunk_kda` branches on the device); tests call it on CPU
@@ -60,31 +61,32 @@ MAX_HEAD_DIM = 256
 # shared memory). Each kernel's module says what bf16 costs in accuracy.
 GEMMS = "bf16"
 # Pipeline stages of the scans' chunk loops (bench/kda_kernels.py times other depths).
-SCAN_STAGES = 2
-# Warps a program, by kernel (bench/kda_kernels.py times each kernel at other counts). On the
-# H100 (2026-12-05) tile_products took 0.29 ms alone at 4 warps and 1 stage against 1.05 at 8
-# warps and 3, and tile_products_bwd 0.74 ms in the op at 2 warps against 0.88 at 4 (then 48 B
-# of spills at 2 warps on sm_90, still faster: its programs are small and many).
+SCAN_STAGES = 3
+# Warps a program, by kernel, and pipeline stages where not Triton's default of 3: each
+# kernel's fastest of 2/4/8 warps x 1-3 stages alone at (1, 8192, 16, 128), bf16, on the H100
+# (bench/kda_kernels.py, 2026-12-05, kda_kernels-2026-12-05-h100-64df522.json), where a
+# setting beat the former one by more than 5%. The scans at 4 warps and 3 stages took 0.220,
+# 0.204 (forward, twice) and 0.263 ms (backward) against 0.366, 0.355, 0.434 at 8 warps and 2;
+# tile_products 0.176 at 2 warps and 2 stages against 0.204 at 4 and 3; state_terms_bwd 0.258
+# at 4 warps against 0.301 at 8. One stage is never used: the forward scan at 8 warps and
+# ut_transform_bwd at 4 ended in an illegal memory access there on the H100.
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
-    "tile_products_kernel": 4,
+    "tile_products_kernel": 2,
     "unit_lower_inverse_kernel": 1,
     "ut_transform_kernel": 8,
-    "state_scan_fwd_kernel": 8,
+    "state_scan_fwd_kernel": 4,
     "chunk_output_kernel": 8,
     "chunk_output_bwd_kernel": 8,
-    "state_scan_bwd_kernel": 8,
-    "state_terms_bwd_kernel": 8,
+    "state_scan_bwd_kernel": 4,
+    "state_terms_bwd_kernel": 4,
     "ut_transform_bwd_kernel": 8,
     "tile_products_bwd_kernel": 2,
     "gate_cumsum_bwd_kernel": 4,
 }
-# Pipeline stages of a kernel's loops (the scans: SCAN_STAGES). tile_products_kernel's one K
-# loop at 3: its loads staged in shared memory leave 96 registers a thread at 4 warps on sm_90
-# against 116 at one stage (5 programs an SM against 4; bench/kda_compile.py), and the
-# next K blocks load during the GEMMs (the 1-stage measurement above was of its former
-# 16-column blocks, whose K loop ran once per block).
-NUM_STAGES = {"tile_products_kernel": 3}
+# tile_products_bwd_kernel: 2 stages (its loops run at most 3 blocks; 8 kB shared against 14 at 3,
+# 168 registers at both), fla's tuned depth for its like-shaped intra backward; unmeasured.
+NUM_STAGES = {"tile_products_kernel": 2, "tile_products_bwd_kernel": 2}
 
 
 def _precise(x: Tensor) -> str:
@@ -122,7 +124,7 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
     f32 = dict(device=q.device, dtype=torch.float32)
     operand = _operand(q)
     G = torch.empty(batch, padded, heads, d_k, **f32)
-    # W and K_d feed only the scans' GEMMs (gate_cumsum_bwd_kernel recomputes K_d), so they are
+    # W and K_d feed only the scans' GEMMs (tile_products_bwd_kernel recomputes K_d), so they are
     # stored as those GEMMs' operands: bf16 halves the scans' loads and changes no value.
     scan_dtype = torch.bfloat16 if operand.startswith("bf16") else torch.float32
     W = torch.empty(batch, padded, heads, d_k, device=q.device, dtype=scan_dtype)
@@ -262,8 +264,9 @@ def chunk_kda_fwd(
 
 def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
                       g_min, matrices=None):
-    """One segment's backward: (dq, dk, dv, dg fp32, dbeta fp32, d initial_state or None).
-    `matrices`: the forward's (A_qk, KK, Tinv), else recomputed."""
+    """One segment's backward: (dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state or
+    None, (dA_log, d_dt_bias) fp32 or None). `matrices`: the forward's (A_qk, KK, Tinv), else
+    recomputed."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -315,20 +318,29 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     del KK, Tinv, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
     dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
+    d_end_parts = torch.empty(batch, n_chunks, CHUNK // SUBTILE, heads, d_k, **f32)
     wrap_triton(tile_products_bwd_kernel)[(CHUNK // SUBTILE * n_k_blocks, n_chunks,
                                           batch * heads)](
-        q, k, G, doc, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, scale, seq_len,
+        q, k, G, doc, dA, dP, d_qg, d_w, d_kd, dq, dk, dG, d_end_parts, scale, seq_len,
         H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-        PRECISION=_precise(q), num_warps=NUM_WARPS["tile_products_bwd_kernel"],
+        PRECISION=_precise(q), INTERPRETED=triton.knobs.runtime.interpret,
+        num_warps=NUM_WARPS["tile_products_bwd_kernel"],
+        num_stages=NUM_STAGES["tile_products_bwd_kernel"],
     )  # fmt: skip
-    del dA, dP, d_qg, d_w
-    dg = torch.empty(g.shape, **f32)
+    del dA, dP, d_qg, d_w, d_kd
+    dg = torch.empty_like(g)
+    fused = A_log is not None
+    d_gate_params = torch.empty(2, batch, n_chunks, heads, d_k, **f32) if fused else None
     wrap_triton(gate_cumsum_bwd_kernel)[(n_chunks, n_k_blocks, batch * heads)](
-        g, k, A_log, dt_bias, G, d_kd, d_gamma, dG, doc, dg, g_min, seq_len,
-        H=heads, K=d_k, BK=block, C=CHUNK, HAS_DOCS=doc is not None,
-        FUSED_GATE=A_log is not None, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
+        g, A_log, dt_bias, G, d_end_parts, d_gamma, dG, doc, dg, d_gate_params, g_min, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, TILES=CHUNK // SUBTILE, HAS_DOCS=doc is not None,
+        FUSED_GATE=fused, num_warps=NUM_WARPS["gate_cumsum_bwd_kernel"],
     )  # fmt: skip
-    return dq, dk, dv, dg, dbeta, d_initial
+    gate_grads = None
+    if fused:
+        # Summed apart, so neither returned gradient is a view of the other's buffer.
+        gate_grads = (d_gate_params[1].sum((0, 1, 3)), d_gate_params[0].sum((0, 1)).reshape(-1))
+    return dq, dk, dv, dg, dbeta, d_initial, gate_grads
 
 
 @triton_op("titan_moe::chunk_kda_bwd", mutates_args=())
@@ -349,9 +361,10 @@ def chunk_kda_bwd(
     A_qk: Tensor | None = None,
     KK: Tensor | None = None,
     Tinv: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg fp32, dbeta fp32, d initial_state fp32, empty without one). A_qk, KK,
-    Tinv: the forward's kept chunk matrices (a sequence of one segment), else recomputed."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state fp32, dA_log fp32 [H],
+    d_dt_bias fp32 [H*K]; each of the last three empty without its input). A_qk, KK, Tinv: the
+    forward's kept chunk matrices (a sequence of one segment), else recomputed."""
     seq_len = q.shape[1]
     if seq_len <= SEGMENT:
         matrices = None if A_qk is None else (A_qk, KK, Tinv)
@@ -366,8 +379,9 @@ def chunk_kda_bwd(
             entering.append(_entering(final, doc, next_start))
         f32 = dict(device=q.device, dtype=torch.float32)
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                 torch.empty(g.shape, **f32), torch.empty(beta.shape, **f32))
+                 torch.empty_like(g), torch.empty(beta.shape, **f32))
         d_state = d_final
+        gate_grads = None
         for (start, end), state in zip(reversed(segments), reversed(entering), strict=True):
             rows = [_tokens(x, start, end) for x in (q, k, v, g, beta, doc)]
             segment = _backward_segment(*rows, A_log, dt_bias, state, _tokens(do, start, end),
@@ -375,11 +389,15 @@ def chunk_kda_bwd(
             for whole, part in zip(grads, segment[:5], strict=True):
                 whole[:, start:end] = part
             d_state = _entering(segment[5], doc, start)
+            if segment[6] is not None:
+                gate_grads = segment[6] if gate_grads is None else tuple(
+                    total + part for total, part in zip(gate_grads, segment[6], strict=True))
             del segment, part  # not held through the next segment's backward
-        grads = (*grads, d_state)
-    if grads[5] is None:
-        grads = (*grads[:5], q.new_empty(0, dtype=torch.float32))
-    return grads
+        grads = (*grads, d_state, gate_grads)
+    empty = q.new_empty(0, dtype=torch.float32)
+    d_initial = empty if grads[5] is None else grads[5]
+    gate_grads = (empty.clone(), empty.clone()) if grads[6] is None else grads[6]
+    return (*grads[:5], d_initial, *gate_grads)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -395,18 +413,15 @@ def _backward(ctx, do: Tensor, d_final: Tensor | None, *_matrices_grads):
     q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, KK, Tinv = ctx.saved_tensors
     if d_final is not None and d_final.numel() == 0:
         d_final = None
-    dq, dk, dv, dg, dbeta, d_initial = chunk_kda_bwd(
+    dq, dk, dv, dg, dbeta, d_initial, dA_log, d_dt_bias = chunk_kda_bwd(
         q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
         None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min, A_qk, KK, Tinv,
     )  # fmt: skip
-    dA_log = d_dt_bias = None
-    if A_log is not None:
-        # dg is the gradient of g_raw: d gate / d A_log = (d gate / d g_raw) (g_raw + dt_bias).
-        heads, d_k = g.shape[-2:]
-        d_dt_bias = dg.sum((0, 1)).reshape(-1).to(dt_bias.dtype)
-        pre = g.float() + dt_bias.float().view(heads, d_k)
-        dA_log = (dg * pre).sum((0, 1, 3)).to(A_log.dtype)
-    return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), None, dA_log, d_dt_bias,
+    if A_log is None:
+        dA_log = d_dt_bias = None
+    else:
+        dA_log, d_dt_bias = dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype)
+    return (dq, dk, dv, dg, dbeta.to(beta.dtype), None, dA_log, d_dt_bias,
             None if initial_state is None else d_initial.to(initial_state.dtype),
             None, None, None, None)
 
