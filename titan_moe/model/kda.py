@@ -115,6 +115,10 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_with_state(x, cache, valid)
         if 0 < self.seq_segment < x.shape[1]:
             return self._forward_by_segments(x, doc_ids)
+        return self._forward_whole(x, doc_ids)
+
+    def _forward_whole(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """forward over all T positions at once (no segments, no state)."""
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
         q, k, v = self._conv_act(self._conv_inputs(x), doc_ids, shape)

@@ -150,6 +150,9 @@ def apply_compile(
     CPU). The glue left eager is two residual adds per layer. A full-AC wrapper stays eager
     around its layer's compiled sublayers; op-level selective AC needs its policy inside the
     compiled graph, so `whole_layers` (set for it) compiles each layer, wrapper and all, whole.
+    A sublayer run by checkpointed pieces (MoE and dense-FFN token chunks, KDA and MLA sequence
+    segments) compiles one piece's function, the loop over the pieces eager: compiled whole, its
+    backward held several pieces' recomputes at once (`_compile_around` has the measurements).
 
     An FSDP unit's hooks break a fullgraph trace, so a sublayer holding units is compiled
     piecewise: every maximal submodule free of units is compiled whole, and a unit's own
@@ -239,6 +242,19 @@ def _compile_around(
             # 11 kB a token, the eager loop's 1 kB, its input gradient), so the chunks bounded
             # nothing; each chunk's own backward graph frees its recompute before the next.
             module._tokens = compile_fn(module._tokens)
+            return module
+        if isinstance(module, (KimiDeltaAttention, GatedMLA)) and module.seq_segment:
+            # By segments, the same way: one compiled graph a segment, the loop (KDA's state and
+            # conv taps passed on, MLA's latents sliced per prefix) eager, and MLA's latent
+            # projection (one GEMM) eager before it. Compiled whole, a KDA mixer's backward held
+            # several segments' recomputes at once: over 4 -> 8 segments of 128 (d = 256, CPU)
+            # its peak grew by 31 fp32 rows of d a position, the eager loop's and this one's by
+            # 1; MLA's by 25 against 6 here (its last segment's keys grow with T). A KDA mixer
+            # over one segment or less runs whole, also compiled. MLA's segments differ in
+            # their keys' length: dynamo compiles the second one with that length dynamic.
+            module._segment = compile_fn(module._segment)
+            if isinstance(module, KimiDeltaAttention):
+                module._forward_whole = compile_fn(module._forward_whole)
             return module
         return compile_fn(module)
     if module in units:

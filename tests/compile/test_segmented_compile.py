@@ -1,0 +1,44 @@
+"""apply_compile keeps the KDA and MLA mixers' sequence segments bounding their backward: the
+backward's peak grows with the positions by what the design holds, not by every segment's
+recompute.
+
+Compiled whole (one Inductor graph with a checkpoint HOP per segment), a KDA mixer's backward
+held every segment's recompute at once: over 8 segments of 128 positions (d = 256, CPU, fp32)
+its peak grew by 31 rows of d a position, the eager segment loop's by 1 (the input gradient),
+and an MLA mixer's by 25 against the loop's 9. Memory is read from the profiler's CPU
+allocation events (backward_peak.py); the KDA recurrence is the CPU reference (chunk_kda_torch),
+compiled inside the segment.
+"""
+
+import pytest
+import torch
+
+from tests.compile.backward_peak import backward_peak
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.parallelize import apply_compile
+
+SEGMENT = 128
+# Rows of d an added position may add to the backward's peak. KDA: its input gradient (the
+# segment's and the concatenation's) and the incoming gradient, 3 (as for MoE chunks); measured
+# 1 by segments, 31 compiled whole. MLA: the last segment's queries attend to every key, so its
+# keys and values (up-projected from the latents over all positions, 2.5 rows), their
+# gradients, and CPU SDPA's mask and probabilities over the keys grow too: 10; measured 6 by
+# segments (9 in the eager loop), 25 compiled whole.
+ROWS_PER_POSITION = {"kda": 3, "mla": 10}
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_compiled_mixer_segments_bound_the_backward(kind):
+    args = TitanMoEArgs(
+        vocab_size=64, dim=256, n_layers=2, mla_layers=(2,), n_dense_layers=1, n_experts=4,
+        top_k=2, seq_segment=SEGMENT,
+    ).validate()
+    torch.manual_seed(0)
+    model = TitanMoE(args)
+    model.init_weights()
+    apply_compile(model, "inductor", set())
+    mixer = model.layers["1" if kind == "mla" else "0"].mixer
+    short, long = (backward_peak(mixer, n * SEGMENT, args.dim) for n in (4, 8))
+    allowed = ROWS_PER_POSITION[kind] * 4 * args.dim * 4 * SEGMENT
+    assert long - short <= allowed, (short, long, allowed)
