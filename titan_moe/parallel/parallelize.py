@@ -248,9 +248,9 @@ def _compile_around(
             # conv taps passed on, MLA's latents sliced per prefix) eager, and MLA's latent
             # projection (one GEMM) eager before it. Compiled whole, a KDA mixer's backward held
             # several segments' recomputes at once: over 4 -> 8 segments of 128 (d = 256, CPU)
-            # its peak grew by 31 fp32 rows of d a position, the eager loop's and this one's by
-            # 1; MLA's by 25 against 6 here (its last segment's keys grow with T). A KDA mixer
-            # over one segment or less runs whole, also compiled. MLA's segments differ in
+            # its peak grew by 18.7 fp32 rows of d a position, the eager loop's and this one's
+            # by 1; MLA's by 25.1 against 6.3 here (its last segment's keys grow with T). A KDA
+            # mixer over one segment or less runs whole, also compiled. MLA's segments differ in
             # their keys' length: dynamo compiles the second one with that length dynamic.
             module._segment = compile_fn(module._segment)
             if isinstance(module, KimiDeltaAttention):
