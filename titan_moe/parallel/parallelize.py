@@ -222,9 +222,14 @@ def apply_compile(
             vision.blocks.register_module(block_id, compile_fn(block))
     # Sublayers of one class share a code object, and each AttnRes source count is a recompile
     # of AttnResSite.forward; under fullgraph, passing dynamo's default limit (8) is an error.
+    # A segmented mixer's _segment is one code object for every layer, each compiling up to
+    # three variants: the first segment (no state or taps carried in), the later ones, and a
+    # shorter last one or, for MLA, the keys' length turned dynamic.
     n_layers = len(model.layers)
+    segmented = any(getattr(m, "seq_segment", 0) for m in model.modules()
+                    if isinstance(m, (KimiDeltaAttention, GatedMLA)))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               n_layers + 2)
+                                               (3 if segmented else 1) * n_layers + 2)
 
 
 def _residual_add(partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
