@@ -49,11 +49,13 @@ step moe python3 bench/moe.py --out "$out/moe.json"
 step router_precision python3 bench/router_precision.py --out "$out/router_precision.json"
 # Issue 22: compiled, full AC; with the saved layer inputs offloaded, the MoE layers in token
 # chunks and KDA, MLA and the dense FFN in segments, the plan expects 256K at 37.9 GiB
-# (measured 51.0 while the chunked MoE layers compiled whole: each layer's backward rose 28 GiB,
-# the plan's 13.6-14.3; now compiled per chunk), 512K to fit one H200 (68.7 GiB) and 1M not
-# (130.4 GiB: an MLA layer's last segment's keys and values over the whole prefix, and the
-# residual gradients); each row carries planned / measured (its peak the largest over the
-# phases), and its peak memory by phase (--phase-peaks) beside the plan's.
+# (measured 51.0 while the chunked MoE layers compiled whole, 42.8 on the H100 while the
+# segmented mixers did: each KDA layer's backward rose 20.7 GiB, the plan's 13.6; now both
+# compiled per piece, expected about 37), 512K to fit one H200 (68.7 GiB; it ran out of memory
+# at 75.8 on the H100) and 1M not (130.4 GiB: an MLA layer's last segment's keys and values
+# over the whole prefix, and the residual gradients); each row carries planned / measured (its
+# peak the largest over the phases), and its peak memory by phase (--phase-peaks) beside the
+# plan's.
 step long_context python3 bench/long_context.py --compile --offload --moe-chunk 65536 \
     --seq-segment 65536 --lengths 8192,65536,262144,524288,1048576 --phase-peaks \
     --out "$out/long_context.json"

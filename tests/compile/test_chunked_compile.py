@@ -5,12 +5,12 @@ Compiled whole (one Inductor graph with a checkpoint HOP per chunk), the MoE lay
 held several chunks' recomputes at once: its peak grew by about 11 fp32 rows of d a token
 (d = 256, chunks of 1024 tokens, CPU), where the eager chunk loop's grows by one (the input
 gradient, concatenated from the chunks'). Memory is read from the profiler's CPU allocation
-events, which see Inductor's buffers as well as eager tensors.
+events (backward_peak.py).
 """
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from tests.compile.backward_peak import backward_peak
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
@@ -20,24 +20,6 @@ CHUNK = 512
 # incoming gradient's fp32 rows: 3 rows of d a token. Compiled whole, the MoE layer added
 # about 11.
 ROWS_PER_TOKEN = 3
-
-
-def _backward_peak(ffn: torch.nn.Module, tokens: int, dim: int) -> int:
-    """Peak bytes allocated above the start during the FFN's backward over `tokens` tokens."""
-    x = torch.randn(1, tokens, dim, requires_grad=True)
-    ffn(x).sum().backward()  # compiles (once per chunk shape)
-    y = ffn(x)
-    grad = torch.ones_like(y)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        y.backward(grad)
-    # Allocation (+) and free (-) events, in time order.
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def test_compiled_moe_chunks_bound_the_backward():
@@ -50,6 +32,6 @@ def test_compiled_moe_chunks_bound_the_backward():
     model.init_weights()
     apply_compile(model, "inductor", set())
     ffn = model.layers["1"].ffn
-    short, long = (_backward_peak(ffn, n * CHUNK, args.dim) for n in (2, 4))
+    short, long = (backward_peak(ffn, n * CHUNK, args.dim) for n in (2, 4))
     allowed = ROWS_PER_TOKEN * 4 * args.dim * 2 * CHUNK
     assert long - short <= allowed, (short, long, allowed)

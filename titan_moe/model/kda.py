@@ -115,6 +115,10 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_with_state(x, cache, valid)
         if 0 < self.seq_segment < x.shape[1]:
             return self._forward_by_segments(x, doc_ids)
+        return self._forward_whole(x, doc_ids)
+
+    def _forward_whole(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """forward over all T positions at once (no segments, no state)."""
         b, t, _ = x.shape
         shape = (b, t, self.n_heads, self.head_dim)
         q, k, v = self._conv_act(self._conv_inputs(x), doc_ids, shape)
@@ -142,6 +146,11 @@ class KimiDeltaAttention(nn.Module):
             # The layer draws no random numbers: no RNG state to save and restore.
             y, state, *taps = checkpoint(self._segment, xs, docs, state, tap_docs, *taps,
                                          use_reentrant=False, preserve_rng_state=False)
+            # Copies, made here: the taps are views of this segment's whole conv inputs, which
+            # the next segment's checkpoint would keep alive (and a full-AC recompute would
+            # hold for every segment). Inside a compiled _segment Inductor returned a clone of
+            # them as a view of the whole buffer: 3 rows of d a position held in such a recompute.
+            taps = [tap.clone() for tap in taps]
             outputs.append(y)
             start = end
         return torch.cat(outputs, 1)
@@ -157,7 +166,7 @@ class KimiDeltaAttention(nn.Module):
         """The layer over a segment x [B,T,d] that continues the previous one: from its
         recurrent state and its last conv_size - 1 conv inputs of q, k and v (`taps`, of the
         documents `tap_docs`); none for the first segment. Returns (y, the state after this
-        segment, this segment's last conv_size - 1 conv inputs of q, k and v)."""
+        segment, this segment's last conv_size - 1 conv inputs of q, k and v, as views)."""
         # A segment of rows > 1 is a strided view: one copy the projections share, where each
         # would copy it for its GEMM (and save its copy).
         x = x.contiguous()
@@ -174,9 +183,9 @@ class KimiDeltaAttention(nn.Module):
                                             self.g_min, initial_state=state,
                                             output_final_state=True, doc_ids=doc_ids,
                                             backend=self.kda_backend)
-        # Copies: views would keep this segment's whole conv inputs alive through the next.
+        # Views: the caller copies them (_forward_by_segments says why).
         n_taps = self.conv_q.shape[-1] - 1
-        return self._output(o, x), final, *(z[:, z.shape[1] - n_taps:].clone() for z in window)
+        return self._output(o, x), final, *(z[:, z.shape[1] - n_taps:] for z in window)
 
     def _conv_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The projections the short convs run over: W_q x, W_k x, W_v x."""

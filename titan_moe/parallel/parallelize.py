@@ -150,6 +150,9 @@ def apply_compile(
     CPU). The glue left eager is two residual adds per layer. A full-AC wrapper stays eager
     around its layer's compiled sublayers; op-level selective AC needs its policy inside the
     compiled graph, so `whole_layers` (set for it) compiles each layer, wrapper and all, whole.
+    A sublayer run by checkpointed pieces (MoE and dense-FFN token chunks, KDA and MLA sequence
+    segments) compiles one piece's function, the loop over the pieces eager: compiled whole, its
+    backward held several pieces' recomputes at once (`_compile_around` has the measurements).
 
     An FSDP unit's hooks break a fullgraph trace, so a sublayer holding units is compiled
     piecewise: every maximal submodule free of units is compiled whole, and a unit's own
@@ -219,9 +222,14 @@ def apply_compile(
             vision.blocks.register_module(block_id, compile_fn(block))
     # Sublayers of one class share a code object, and each AttnRes source count is a recompile
     # of AttnResSite.forward; under fullgraph, passing dynamo's default limit (8) is an error.
+    # A segmented mixer's _segment is one code object for every layer, each compiling up to
+    # three variants: the first segment (no state or taps carried in), the later ones, and a
+    # shorter last one or, for MLA, the keys' length turned dynamic.
     n_layers = len(model.layers)
+    segmented = any(getattr(m, "seq_segment", 0) for m in model.modules()
+                    if isinstance(m, (KimiDeltaAttention, GatedMLA)))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               n_layers + 2)
+                                               (3 if segmented else 1) * n_layers + 2)
 
 
 def _residual_add(partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
@@ -239,6 +247,19 @@ def _compile_around(
             # 11 kB a token, the eager loop's 1 kB, its input gradient), so the chunks bounded
             # nothing; each chunk's own backward graph frees its recompute before the next.
             module._tokens = compile_fn(module._tokens)
+            return module
+        if isinstance(module, (KimiDeltaAttention, GatedMLA)) and module.seq_segment:
+            # By segments, the same way: one compiled graph a segment, the loop (KDA's state and
+            # conv taps passed on, MLA's latents sliced per prefix) eager, and MLA's latent
+            # projection (one GEMM) eager before it. Compiled whole, a KDA mixer's backward held
+            # several segments' recomputes at once: over 4 -> 8 segments of 128 (d = 256, CPU)
+            # its peak grew by 18.7 fp32 rows of d a position, the eager loop's and this one's
+            # by 1; MLA's by 25.1 against 6.3 here (its last segment's keys grow with T). A KDA
+            # mixer over one segment or less runs whole, also compiled. MLA's segments differ in
+            # their keys' length: dynamo compiles the second one with that length dynamic.
+            module._segment = compile_fn(module._segment)
+            if isinstance(module, KimiDeltaAttention):
+                module._forward_whole = compile_fn(module._forward_whole)
             return module
         return compile_fn(module)
     if module in units:

@@ -1,0 +1,23 @@
+"""Peak memory of a module's backward on CPU, from the profiler's allocation events: they see
+Inductor's buffers as well as eager tensors, so a compiled module's backward is measured whole."""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def backward_peak(module: torch.nn.Module, tokens: int, dim: int) -> int:
+    """Peak bytes allocated above the start during module's backward over x [1, tokens, dim]."""
+    x = torch.randn(1, tokens, dim, requires_grad=True)
+    module(x).sum().backward()  # compiles (once per shape)
+    y = module(x)
+    grad = torch.ones_like(y)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y.backward(grad)
+    # Allocation (+) and free (-) events, in time order.
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,93 @@
+"""apply_compile keeps the KDA and MLA mixers' sequence segments bounding their backward: the
+backward's peak grows with the positions by what the design holds, not by every segment's
+recompute.
+
+Compiled whole (one Inductor graph with a checkpoint HOP per segment), a KDA mixer's backward
+held several segments' recomputes at once: from 4 to 8 segments of 128 positions (d = 256,
+CPU, fp32) its peak grew by 18.7 rows of d a position, compiled per segment by 1 (the input
+gradient), and an MLA mixer's by 25.1 against 6.3 (the eager loop's: 1 and 8.9). Memory is
+read from the profiler's CPU allocation events (backward_peak.py); the KDA recurrence is the
+CPU reference (chunk_kda_torch), compiled inside the segment.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tests.compile.backward_peak import backward_peak
+from titan_moe.model.args import TitanMoEArgs
+from titan_moe.model.model import TitanMoE
+from titan_moe.parallel.parallelize import apply_compile
+
+SEGMENT = 128
+# Rows of d an added position may add to the backward's peak. KDA: its input gradient (the
+# segment's and the concatenation's) and the incoming gradient, 3 (as for MoE chunks); measured
+# 1 by segments, 18.7 compiled whole. MLA: the last segment's queries attend to every key, so its
+# keys and values (up-projected from the latents over all positions, 2.5 rows), their
+# gradients, and CPU SDPA's mask and probabilities over the keys grow too: 10; measured 6.3
+# by segments (8.9 in the eager loop), 25.1 compiled whole.
+ROWS_PER_POSITION = {"kda": 3, "mla": 10}
+
+
+class FullAC(torch.nn.Module):
+    """The mixer under a checkpoint of its own, as full AC runs it: its backward starts with the
+    recompute of every segment's forward (each saving its inputs only), which must not keep a
+    segment's intermediates alive (a compiled segment's conv taps, views of its whole conv
+    inputs, once did: 3 more rows a position)."""
+
+    def __init__(self, mixer: torch.nn.Module):
+        super().__init__()
+        self.mixer = mixer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.mixer, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_compiled_mixer_segments_bound_the_backward(kind):
+    args = TitanMoEArgs(
+        vocab_size=64, dim=256, n_layers=2, mla_layers=(2,), n_dense_layers=1, n_experts=4,
+        top_k=2, seq_segment=SEGMENT,
+    ).validate()
+    torch._dynamo.reset()  # no segment function compiled by an earlier test is reused
+    torch.manual_seed(0)
+    model = TitanMoE(args)
+    model.init_weights()
+    apply_compile(model, "inductor", set())
+    mixer = FullAC(model.layers["1" if kind == "mla" else "0"].mixer)
+    short, long = (backward_peak(mixer, n * SEGMENT, args.dim) for n in (4, 8))
+    allowed = ROWS_PER_POSITION[kind] * 4 * args.dim * 4 * SEGMENT
+    assert long - short <= allowed, (short, long, allowed)
+
+
+# float32, Inductor's kernels against eager autograd: sums reordered only.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_compiled_segments_match_the_eager_mixer(kind, segments):
+    """Per segment (and, over one segment, KDA's whole body) the compiled mixer computes what the
+    eager one does: outputs and input gradients."""
+    args = TitanMoEArgs(
+        vocab_size=64, dim=256, n_layers=2, mla_layers=(2,), n_dense_layers=1, n_experts=4,
+        top_k=2, seq_segment=SEGMENT,
+    ).validate()
+    torch._dynamo.reset()  # no segment function compiled by an earlier test is reused
+    torch.manual_seed(0)
+    model = TitanMoE(args)
+    model.init_weights()
+    eager = copy.deepcopy(model.layers["1" if kind == "mla" else "0"].mixer)
+    apply_compile(model, "inductor", set())
+    compiled = model.layers["1" if kind == "mla" else "0"].mixer
+    x = torch.randn(1, segments * SEGMENT, args.dim)
+    results = []
+    for mixer in (eager, compiled):
+        xi = x.clone().requires_grad_()
+        y = mixer(xi)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
