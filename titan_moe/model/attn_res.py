@@ -33,6 +33,27 @@ class AttnResSite(nn.Module):
         nn.init.ones_(self.gain)
 
 
+class FinalAttnResSite(AttnResSite):
+    """The site before the final norm, whose saves stay on the device by reference whatever
+    saved-tensor hook encloses the step. Its sources are there already: the finished blocks,
+    which the full-AC checkpoints hold by reference until the layers' backward, and the last
+    partial sum, which nothing else needs. Under activation offload (save_on_cpu) they were
+    copied to the host and brought back as new device tensors for its backward: n more
+    [b, T, d] tensors alive next to their n gradients at the loss phase's peak (measured at 256K
+    on the proxy: a 20.2 GiB rise for 9 sources of 1 GiB, where 11 GiB is the gradients and
+    the fp32 output gradient)."""
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph's saves are its own (simple_fsdp)
+            return super().forward(sources)
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            return super().forward(sources)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def attn_res_mix(
     sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float
 ) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from titan_moe.model.args import TitanMoEArgs
-from titan_moe.model.attn_res import AttnResSite
+from titan_moe.model.attn_res import AttnResSite, FinalAttnResSite
 from titan_moe.model.kda import KDAState, KimiDeltaAttention, StaticKDAState
 from titan_moe.model.mla import GatedMLA, MLACache, StaticMLACache
 from titan_moe.model.moe import LatentMoE
@@ -101,7 +101,7 @@ class TitanMoE(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(i, args) for i in range(args.n_layers)})
-        self.final_site = AttnResSite(args.dim, args.attn_res_eps)
+        self.final_site = FinalAttnResSite(args.dim, args.attn_res_eps)
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         vision = args.vision_config()
