@@ -22,10 +22,14 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  sum, the final site's and norm's saves, the loss's hidden input (2 s + ...), and
                  chunked, its fp32 log-sum-exp and int64 labels (12 b t)
       offload    (training.activation_offload: save_on_cpu) the checkpoints' saves go to the host,
-                 n (s + 4 b t) with the doc ids, and the tail with the final site's sources and
-                 the head weight; the last block list (B s), held by reference, stays on the GPU
-      loss phase chunked (training.loss_chunk = c): 12 c V (one chunk's logits and gradient)
-                 + 4 V d (fp32 head-weight gradient) + s; full logits: 12 b t V
+                 n (s + 4 b t) with the doc ids, and the tail but the last partial sum, with the
+                 head weight; the last block list (B s), held by reference, stays on the GPU,
+                 and the last partial sum until the loss phase ends (+ s to that phase: the
+                 final site keeps its saves on the GPU, FinalAttnResSite)
+      loss phase the larger of the loss's backward, chunked (training.loss_chunk = c): 12 c V
+                 (one chunk's logits and gradient) + 4 V d (fp32 head-weight gradient) + s, full
+                 logits: 12 b t V; and the final site's: (B + 1) s (its sources' gradients)
+                 + 4 b t d (its fp32 output's gradient) + 12 (B + 1) b t (its stats' gradient)
       layer bwd  a layer's transient is the larger of 2 × its largest saved tensor (an op's
                  output and input gradients) and the KDA op's backward workspace (dO, the
                  gradients, and its fp32 buffers, 5.1 kB a token and head at K = V = 128
@@ -448,6 +452,28 @@ def _checkpointed(cfg: PlanConfig, layer_id: int) -> bool:
     return False
 
 
+def loss_phase_bytes(cfg: PlanConfig, b: int, t: int) -> float:
+    """What the loss phase of backward holds at its peak above what is saved: the larger of the
+    loss's backward and the final AttnRes site's. The loss, chunked: one chunk's logits (bf16
+    product, fp32 copy and its exp) and their gradient, the fp32 head-weight gradient and the
+    hidden states' gradient; full logits: the fp32 log-softmax, its and the logits' gradient.
+    The site: its output's gradient in fp32 (the mix is fp32, cast to bf16), one gradient for
+    each of its n sources (the finished blocks and the last partial sum; they live on into the
+    layers' backward) and the zero gradient autograd makes for its op's fp32 stats (12 n bytes
+    a position). The norm's backward between them (its fp32 input brought back, its
+    output's and input's gradients) holds less than the site's for every flavor."""
+    args = cfg.args
+    stream = b * t * args.dim * ACT_BYTES
+    if cfg.loss_chunk:
+        chunk = min(cfg.loss_chunk, b * t)
+        loss = 12 * chunk * args.vocab_size + 4 * args.vocab_size * args.dim + stream
+    else:
+        loss = 12 * b * t * args.vocab_size
+    sources = boundary_tensors(args.attn_res_block_size, args.n_layers)
+    site = sources * stream + b * t * (args.dim * 4 + 12 * sources)
+    return max(loss, site)
+
+
 def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | None = None,
                      loss: bool = True, held: float = 1) -> Activations:
     """Activation bytes at the step's peak on a GPU (and on its host, offloaded): of the whole
@@ -489,20 +515,16 @@ def activation_bytes(cfg: PlanConfig, layers: range | None = None, batch: int | 
         # chunked, its fp32 log-sum-exp and int64 labels).
         tail = (2 * stream + head_activation_bytes(args, b, t).total
                 + (b * t * (LSE_BYTES + LABEL_BYTES) if cfg.loss_chunk else 0))
+        loss_phase = loss_phase_bytes(cfg, b, t)
         if cfg.offload:
-            # Copied too: the final site's other sources, and the head's weight the loss keeps.
-            finished = boundary_tensors(block, args.n_layers) - 1
-            host += tail + finished * stream + (args.vocab_size * args.dim * ACT_BYTES
-                                                if cfg.loss_chunk else 0)
+            # Copied too: the head's weight the loss keeps. The final site keeps its saves on
+            # the device (FinalAttnResSite): the last partial sum stays there, by reference,
+            # until the site's backward frees it, before the layers' backward.
+            host += tail - stream + (args.vocab_size * args.dim * ACT_BYTES
+                                     if cfg.loss_chunk else 0)
+            loss_phase += stream
         else:
             saved += tail
-        if cfg.loss_chunk:
-            # One chunk's logits (bf16 product, fp32 copy and its exp) and their gradient, the
-            # fp32 head-weight gradient and the hidden states' gradient.
-            chunk = min(cfg.loss_chunk, b * t)
-            loss_phase = 12 * chunk * args.vocab_size + 4 * args.vocab_size * args.dim + stream
-        else:
-            loss_phase = 12 * b * t * args.vocab_size  # fp32 log-softmax, its and the logits' grad
     # With AC, backward holds one layer's recompute, its offloaded inputs brought back, and
     # the gradients of the residual sources it feeds (one per block, and the partial sum).
     n_blocks = math.ceil(layers.stop / block)
