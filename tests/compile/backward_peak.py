@@ -13,11 +13,15 @@ def backward_peak(module: torch.nn.Module, tokens: int, dim: int) -> int:
     grad = torch.ones_like(y)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         y.backward(grad)
-    # Allocation (+) and free (-) events, in time order.
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
     live = peak = 0
-    for event in events:
-        live += event.nbytes()
+    for nbytes in allocation_events(prof):
+        live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def allocation_events(prof: profile) -> list[int]:
+    """The profiled allocations (+ bytes) and frees (- bytes), in time order."""
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    return [e.nbytes() for e in events]

@@ -45,8 +45,8 @@ class FullAC(torch.nn.Module):
         return checkpoint(self.mixer, x, use_reentrant=False)
 
 
-@pytest.mark.parametrize("kind", ["kda", "mla"])
-def test_compiled_mixer_segments_bound_the_backward(kind):
+def _model() -> TitanMoE:
+    """A two-layer model by segments of SEGMENT (layer 0 KDA, layer 1 MLA), not yet compiled."""
     args = TitanMoEArgs(
         vocab_size=64, dim=256, n_layers=2, mla_layers=(2,), n_dense_layers=1, n_experts=4,
         top_k=2, seq_segment=SEGMENT,
@@ -55,10 +55,16 @@ def test_compiled_mixer_segments_bound_the_backward(kind):
     torch.manual_seed(0)
     model = TitanMoE(args)
     model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_compiled_mixer_segments_bound_the_backward(kind):
+    model = _model()
     apply_compile(model, "inductor", set())
     mixer = FullAC(model.layers["1" if kind == "mla" else "0"].mixer)
-    short, long = (backward_peak(mixer, n * SEGMENT, args.dim) for n in (4, 8))
-    allowed = ROWS_PER_POSITION[kind] * 4 * args.dim * 4 * SEGMENT
+    short, long = (backward_peak(mixer, n * SEGMENT, model.args.dim) for n in (4, 8))
+    allowed = ROWS_PER_POSITION[kind] * 4 * model.args.dim * 4 * SEGMENT
     assert long - short <= allowed, (short, long, allowed)
 
 
@@ -71,18 +77,11 @@ RTOL, ATOL = 1e-4, 1e-5
 def test_compiled_segments_match_the_eager_mixer(kind, segments):
     """Per segment (and, over one segment, KDA's whole body) the compiled mixer computes what the
     eager one does: outputs and input gradients."""
-    args = TitanMoEArgs(
-        vocab_size=64, dim=256, n_layers=2, mla_layers=(2,), n_dense_layers=1, n_experts=4,
-        top_k=2, seq_segment=SEGMENT,
-    ).validate()
-    torch._dynamo.reset()  # no segment function compiled by an earlier test is reused
-    torch.manual_seed(0)
-    model = TitanMoE(args)
-    model.init_weights()
+    model = _model()
     eager = copy.deepcopy(model.layers["1" if kind == "mla" else "0"].mixer)
     apply_compile(model, "inductor", set())
     compiled = model.layers["1" if kind == "mla" else "0"].mixer
-    x = torch.randn(1, segments * SEGMENT, args.dim)
+    x = torch.randn(1, segments * SEGMENT, model.args.dim)
     results = []
     for mixer in (eager, compiled):
         xi = x.clone().requires_grad_()

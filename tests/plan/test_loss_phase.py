@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from tests.compile.backward_peak import allocation_events
 from titan_moe.model import attn_res as attn_res_module
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.attn_res import attn_res_triton
@@ -80,12 +81,10 @@ def _site_phase_peak(args, t: int) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with pytest.raises(_Stop):
             loss.backward()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
     live, peak, site = 0, 0, False
-    for event in events:
-        live += event.nbytes()
-        site = site or event.nbytes() == -MARK
+    for nbytes in allocation_events(prof):
+        live += nbytes
+        site = site or nbytes == -MARK
         if site:
             peak = max(peak, live)
     assert site
