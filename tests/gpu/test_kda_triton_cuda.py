@@ -183,8 +183,11 @@ def test_op_compiles_fullgraph_and_matches_eager(backend, gate):
 
 def test_op_by_segments_equals_the_whole_op_eager_and_compiled(monkeypatch):
     """T 1000 in segments of 256 (the last partial; a document begins at 512, one crosses 256):
-    the same kernels with the state handed over in fp32, so the outputs and gradients are the
-    whole op's bit for bit eager, and within 1e-3 compiled (fullgraph: the segment loop traces)."""
+    the same kernels with the state handed over in fp32, so the outputs and the gradients of
+    q, k, v, g, beta and the initial state are the whole op's bit for bit eager. dA_log and
+    d_dt_bias are fp32 sums of per-chunk partials, added by segment first, so only their order
+    differs: within 1e-6 (measured 7e-8 under the interpreter). Compiled: all within 1e-3
+    (fullgraph: the segment loop traces)."""
     import importlib
 
     chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
@@ -206,8 +209,10 @@ def test_op_by_segments_equals_the_whole_op_eager_and_compiled(monkeypatch):
     whole = run(op)
     monkeypatch.setattr(chunk_triton, "SEGMENT", 256)
     by_segments = run(op)
-    for got, want in zip(by_segments, whole, strict=True):
+    for got, want in zip(by_segments[:-2], whole[:-2], strict=True):
         assert torch.equal(got, want)
+    for got, want in zip(by_segments[-2:], whole[-2:], strict=True):
+        assert rel_rms(got, want) <= 1e-6
     compiled = run(torch.compile(op, fullgraph=True))
     for got, want in zip(compiled, whole, strict=True):
         assert rel_rms(got, want) <= 1e-3
