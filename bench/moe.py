@@ -61,10 +61,12 @@ def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top) ->
     grad = torch.randn_like(x)
 
     def fwd():
+        torch.compiler.cudagraph_mark_step_begin()  # each call is a new step for CUDA graphs
         with torch.no_grad():
             return fn(x)
 
     def fwd_bwd():
+        torch.compiler.cudagraph_mark_step_begin()
         fn(x).backward(grad)
 
     r = {"fwd_ms": timed(fwd, device, warmup, iters),
