@@ -3,11 +3,10 @@ semantics), and the choice of their CUDA backend.
 
 On CUDA they run one of two backends that torch.compile traces with no graph break:
 `"triton"`, our Triton op (`chunk_triton.py`), or `"fla"`, fla-core's kernels behind custom ops
-(`fla_backend.py`); `"auto"` takes fla's where fla-core is installed (the faster in the
-compiled training step), else ours. Elsewhere, and
-for the cases the ops leave out, the plain-PyTorch chunked form (`naive.py`). The branch is on
-the device, in Python, before any op is called: Inductor cannot compile user Triton kernels
-for CPU tensors.
+(`fla_backend.py`); `"auto"` takes ours, the faster of the two in the compiled training
+step and at each shape of `bench/kda.py`. Elsewhere, and for the cases the ops leave out, the
+plain-PyTorch chunked form (`naive.py`). The branch is on the device, in Python, before any op
+is called: Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
 import functools
@@ -29,14 +28,14 @@ KDA_BACKENDS = ("auto", "triton", "fla")
 def resolve_backend(backend: str) -> str:
     """"triton" or "fla" for a CUDA call; raises for an unknown name or fla without fla-core.
 
-    "auto" is fla's where fla-core is installed, else ours: the compiled proxy step on the H200
-    (bench/RESULTS.md, 2026-12-04, batch 2 x 4096, compiled+passes) took 240.3 ms with fla's
-    kernels against 328.8 ms with ours (KDA kernels 23.9 ms against 88.8 ms a step).
+    "auto" is ours: the compiled proxy step on the H200 (bench/RESULTS.md, 2026-12-05, batch
+    2 x 4096, compiled+passes) took 194.9 ms with ours against 205.4 ms with fla's kernels, and
+    bench/kda.py has ours at 1.04-1.18x fla's forward + backward at the five shapes of issue 19.
     """
     if backend not in KDA_BACKENDS:
         raise ValueError(f"KDA backend {backend!r}: allowed {', '.join(KDA_BACKENDS)}")
     if backend == "auto":
-        return "fla" if FLA_INSTALLED else "triton"
+        return "triton"
     if backend == "fla" and not FLA_INSTALLED:
         raise ModuleNotFoundError(f"KDA backend 'fla' needs fla-core: {FLA_INSTALL_HINT}")
     return backend
