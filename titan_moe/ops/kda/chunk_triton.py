@@ -69,20 +69,23 @@ SCAN_STAGES = 3
 # 0.204 (forward, twice) and 0.263 ms (backward) against 0.366, 0.355, 0.434 at 8 warps and 2;
 # tile_products 0.176 at 2 warps and 2 stages against 0.204 at 4 and 3; state_terms_bwd 0.258
 # at 4 warps against 0.301 at 8. One stage is never used: the forward scan at 8 warps and
-# ut_transform_bwd at 4 ended in an illegal memory access there on the H100.
+# ut_transform_bwd at 4 ended in an illegal memory access there on the H100. The second sweep
+# (kda_kernels-2026-12-05-h100-465ce3a.json, 1-8 warps, 2-3 stages) moved three more:
+# ut_transform_bwd 0.287 ms at 4 warps against 0.355 at 8, ut_transform 0.143 / 0.141 at 4
+# against 0.152 / 0.150, gate_cumsum_bwd 0.065 at 1 against 0.069 at 4.
 NUM_WARPS = {
     "gate_cumsum_kernel": 4,
     "tile_products_kernel": 2,
     "unit_lower_inverse_kernel": 1,
-    "ut_transform_kernel": 8,
+    "ut_transform_kernel": 4,
     "state_scan_fwd_kernel": 4,
     "chunk_output_kernel": 8,
     "chunk_output_bwd_kernel": 8,
     "state_scan_bwd_kernel": 4,
     "state_terms_bwd_kernel": 4,
-    "ut_transform_bwd_kernel": 8,
+    "ut_transform_bwd_kernel": 4,
     "tile_products_bwd_kernel": 2,
-    "gate_cumsum_bwd_kernel": 4,
+    "gate_cumsum_bwd_kernel": 1,
 }
 # tile_products_bwd_kernel: 2 stages (its loops run at most 3 blocks; 8 kB shared against 14 at 3,
 # 168 registers at both), fla's tuned depth for its like-shaped intra backward; unmeasured.
