@@ -1,6 +1,6 @@
 """What an op allocates while it runs, counted with its launches skipped: the live-bytes count
-against a hand-made sequence of allocations, and the KDA op's backward workspace against its
-buffers counted by hand."""
+against a hand-made sequence of allocations, and the KDA op's kept buffers and backward
+workspace against its buffers counted by hand."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from titan_moe.plan.op_workspace import (
     LiveBytes,
     chunk_triton,
     kda_backward_workspace,
+    kda_kept_buffers,
 )
 
 
@@ -45,6 +46,19 @@ def kept_bytes(t: int, k: int) -> int:
     return 3 * t * 64 * 4 + t * k * 4 + 2 * t * k * 2 + t // 64 * k * k * 4 + t * k * 2
 
 
+def test_kda_op_keeps_its_buffers_for_the_backward():
+    # 3,072 B a token and head at K = V = 128: 768 the chunk matrices, 512 G, 256 each W, K_d,
+    # Ṽ, 1,024 the states (64 KiB a chunk).
+    t, k = 128, 128
+    kept = kda_kept_buffers(1, t, 1, k, k)
+    assert [x.dtype for x in kept] == [torch.float32] * 4 + [torch.bfloat16] * 2 + [
+        torch.float32, torch.bfloat16]
+    assert sum(x.untyped_storage().nbytes() for x in kept) == kept_bytes(t, k) == 3072 * t
+    # Whole chunks: 100 tokens keep two chunks' worth; rows and heads multiply.
+    assert sum(x.untyped_storage().nbytes() for x in kda_kept_buffers(2, 100, 3, k, k)) == (
+        2 * 3 * 3072 * 128)
+
+
 def test_kda_op_backward_workspace_by_hand():
     # A sequence of one segment: the forward kept its buffers (saved, counted with the layer's
     # saves). The backward peaks at the state terms, holding what the recomputing one holds
@@ -77,3 +91,4 @@ def test_kda_op_backward_by_segments_holds_one_segments_buffers(segments_of_128)
     t, k, segment, state = 512, 128, 128, 128 * 128 * 4
     held = t * k * 2 + 4 * t * k * 2 + t * 4 + 3 * state + 2 * state + (1 + k) * 4
     assert kda_backward_workspace(1, t, 1, k, k) == held + state_terms_buffers(segment, k)
+    assert kda_kept_buffers(1, t, 1, k, k) == ()  # the forward keeps nothing by segments
