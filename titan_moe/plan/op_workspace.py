@@ -2,11 +2,13 @@
 launch skipped: the buffers are allocated exactly as on the GPU (on meta or CPU tensors) and no
 kernel runs.
 
-The memory plan needs this for the KDA op, whose backward recomputes the forward's states and
-W, U (and over segments its chunk matrices, which a one-segment forward keeps) and holds them
-in fp32 (W, K_d and V~ as bf16 GEMM operands) with the gradients' fp32 buffers: 5.1 kB a
-token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
-largest saved tensor is 2 bytes a channel.
+The memory plan needs this for the KDA op. On a sequence of one segment its forward keeps what
+the backward reads (chunk matrices, G, states, fp32; W, K_d and V~ as bf16 GEMM operands):
+3,072 B a token and head at K = V = 128, saved with the layer's other tensors, where the
+layer's largest activation is 2 bytes a channel. Its backward frees those as it goes and adds
+the gradients' fp32 buffers, 2.6 kB more at its peak; by segments (chunk_triton.SEGMENT
+tokens) the forward keeps nothing and the backward recomputes each segment's, 5.6 kB over a
+segment at its peak.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
 """
 

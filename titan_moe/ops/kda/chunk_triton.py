@@ -2,23 +2,36 @@
 
     forward:  gate_cumsum -> tile_products -> unit_lower_inverse -> ut_transform
               -> state_scan_fwd -> chunk_output
-    backward: gate_cumsum -> ut_transform from the kept Tinv (by segments: tile_products and
-              unit_lower_inverse again) -> state_scan_fwd -> chunk_output_bwd
-              -> state_scan_bwd -> state_terms_bwd -> ut_transform_bwd -> tile_products_bwd
-              -> gate_cumsum_bwd
+    backward: chunk_output_bwd -> state_scan_bwd | state_terms_bwd | ut_transform_bwd
+              -> tile_products_bwd -> gate_cumsum_bwd   (three ops, split at the bars)
+    by segments, each segment's backward first recomputes gate_cumsum -> tile_products
+              -> unit_lower_inverse -> ut_transform -> state_scan_fwd
 
-`titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
-Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
-registered on the forward op. The forward keeps its inputs and, when a backward will run on a
-sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
-the backward then skips tile_products and the 64x64 inverse (unit_lower_inverse.py), as fla's
-keeps its A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so
-memory stays linear in T. Those recomputed buffers and the gradients' take 5.1 kB a token and
-head at K = V = 128 (5.0 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT
-tokens runs by segments, the state passed from one to the next: forward in order, backward last
-segment first, each from the state entering it (one more forward pass over the segments finds
-those states first). Both then hold one segment's buffers at any length, for that extra pass at
-long context. With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
+`titan_moe::chunk_kda_fwd` and the backward ops are `torch.library.triton_op`s, so Inductor sees
+the kernels (and their fake shapes) instead of an opaque call; autograd is registered on the
+forward op. The forward keeps its inputs and, when a backward will run on a sequence of one
+segment, what the backward would otherwise recompute (KEPT): the chunk matrices A_qk, KK, Tinv
+(fp32), G (fp32), W and K_d (the scans' operand dtype), the chunk-entry states (fp32, 64 KiB a
+chunk at K = V = 128) and V~ (operand dtype); U only feeds the forward scan, whose V~ replaces
+it. With bf16 inputs at K = V = 128 that is 3,072 B a token and head (768 of them the matrices
+kept before 2026-12-05), 3.0 GiB at 64K tokens and 16 heads; the backward then launches only
+its six kernels (the recomputation was gate_cumsum, ut_transform and state_scan_fwd, 2.6 of
+19.7 ms f+b at 64K on the H100). The backward takes the kept buffers off the autograd context
+rather than saving them (saved tensors live until the whole backward returns, an op's arguments
+until the op does) and runs as three ops, each the last reader of some: A_qk, W, K_d go with the
+first, the states with the second. So an eager f+b peaks at the state terms holding what the
+backward that recomputed held there (bench/kda_memory.py: 7.76 GiB at 64K x 16 heads, 0.25
+below it, A_qk no longer held to the end); Inductor frees the kept buffers by last use itself.
+A second backward through a retained graph finds them handed over and recomputes.
+
+The backward's buffers (kept or recomputed) and the gradients' peak at 5.6 kB a token and head
+at K = V = 128, dO included (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than
+SEGMENT tokens runs by segments, the state passed from one to the next: forward in order,
+keeping nothing, backward last segment first, each from the state entering it (one more
+forward pass over the segments finds those states first). Both then hold one segment's buffers
+at any length, for that extra pass at long context.
+
+With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
 g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) themselves, and its chunk-local cumsum, and
 return the gradients of g_raw, A_log and dt_bias (the last two summed per chunk by the gate's
 backward kernel, then over chunks here: B * n_chunks * H * K floats, not the [B,T,H,K] tensors).
