@@ -173,8 +173,12 @@ def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states,
 def run_kept_vs_recomputed(batch, seq_len, heads, d_k, d_v, gate, doc_kind, dtype) -> dict:
     """Two backwards through one retained graph of the op: the first from the buffers the
     forward kept, the second (which finds them handed over) recomputing them with the same
-    kernels. The kernels each launches, in order, and the gradients not bitwise equal."""
+    kernels; and the op under a non-reentrant checkpoint (its saved-tensor hooks: the kept
+    buffers saved, dropped, recomputed). The kernels each backward launches, in order, and the
+    gradients not bitwise equal to the first's."""
     import importlib
+
+    from torch.utils.checkpoint import checkpoint
 
     from titan_moe.ops.kda import chunk_kda_triton
 
@@ -187,12 +191,15 @@ def run_kept_vs_recomputed(batch, seq_len, heads, d_k, d_v, gate, doc_kind, dtyp
     if gate == "fused":
         gate_args = dict(A_log=A_log.float().requires_grad_(),
                          dt_bias=dt_bias.float().requires_grad_(), g_min=G_MIN)
-    o, s = chunk_kda_triton(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                            doc=doc, **gate_args)
+    def op(*leaves):
+        return chunk_kda_triton(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                doc=doc, **gate_args)
+
+    o, s = op(*leaves)
     gen = torch.Generator().manual_seed(1)
     do, ds = torch.randn(o.shape, generator=gen).to(dtype), torch.randn(s.shape, generator=gen)
     inputs = leaves + list(gate_args.values())[:2]
-    launches = {"kept": [], "recomputed": []}
+    launches = {"kept": [], "recomputed": [], "checkpointed": []}
     real = chunk_triton.wrap_triton
 
     def recording(kernel):
@@ -205,12 +212,20 @@ def run_kept_vs_recomputed(batch, seq_len, heads, d_k, d_v, gate, doc_kind, dtyp
         kept = torch.autograd.grad((o, s), inputs, (do, ds), retain_graph=True)
         backward = "recomputed"
         recomputed = torch.autograd.grad((o, s), inputs, (do, ds))
+        backward = "checkpointed"
+        o, s = checkpoint(op, *leaves, use_reentrant=False)
+        launches[backward].clear()  # the forward's own
+        checkpointed = torch.autograd.grad((o, s), inputs, (do, ds))
     finally:
         chunk_triton.wrap_triton = real
     names = ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"][:len(inputs)]
-    return {"kept_launches": launches["kept"], "recomputed_launches": launches["recomputed"],
-            "unequal": [name for name, a, b in zip(names, kept, recomputed, strict=True)
-                        if not torch.equal(a, b)]}
+
+    def unequal(grads):
+        return [name for name, a, b in zip(names, kept, grads, strict=True)
+                if not torch.equal(a, b)]
+
+    return {**{f"{kind}_launches": kernels for kind, kernels in launches.items()},
+            "unequal": unequal(recomputed), "checkpointed_unequal": unequal(checkpointed)}
 
 
 @triton.jit
@@ -296,7 +311,8 @@ def test_op_by_segments_matches_the_whole_op_and_float64(results, name):
 def test_kept_backward_equals_the_recomputing_one_bit_for_bit(results, name):
     """The forward keeps G, W, K_d, the states and V~ besides the chunk matrices, so its
     backward launches only the backward kernels; the backward that recomputes them runs the
-    forward's kernels on the same inputs, so the gradients are equal bit for bit."""
+    forward's kernels on the same inputs, so the gradients are equal bit for bit, as they are
+    under a checkpoint, whose hooks get the kept buffers saved."""
     report = results[name]
     assert "error" not in report, report.get("error")
     assert report["kept_launches"] == list(BACKWARD_KERNELS), report["kept_launches"]
@@ -304,6 +320,11 @@ def test_kept_backward_equals_the_recomputing_one_bit_for_bit(results, name):
     assert [n for n in recomputed if n in FORWARD_KERNELS] == list(FORWARD_KERNELS), recomputed
     assert [n for n in recomputed if n in BACKWARD_KERNELS] == list(BACKWARD_KERNELS), recomputed
     assert report["unequal"] == [], report
+    # Under the checkpoint, its recompute (the whole forward), then the backward from the saved
+    # buffers; bit for bit the same gradients.
+    forward = [*FORWARD_KERNELS, "chunk_output_kernel"]
+    assert report["checkpointed_launches"] == forward + list(BACKWARD_KERNELS), report
+    assert report["checkpointed_unequal"] == [], report
 
 
 def test_forward_and_backward_trace_with_fake_tensors():
@@ -342,6 +363,54 @@ def test_forward_and_backward_trace_with_fake_tensors():
     want = [((1, 256, 2, 64), f32)] * 4 + [((1, 256, 2, 64), bf)] * 2 + [
         ((1, 4, 2, 64, 64), f32), ((1, 256, 2, 64), bf)]
     assert [(tuple(node.meta["val"].shape), node.meta["val"].dtype) for node in kept] == want
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hooks"])
+def test_kept_buffers_reach_the_backward_through_saved_tensor_hooks(hooked):
+    """Activation checkpointing and offloading act through saved-tensor hooks, which see only
+    saved tensors. Under such hooks the forward saves its kept buffers (a checkpoint then drops
+    them until its recompute); without, it hands them over on the autograd context, unsaved.
+    Either way the backward launches none of the forward's kernels. Launches are recorded, not
+    run (no values are compared here: the interpreted cases above do that)."""
+    import importlib
+
+    from titan_moe.ops.kda import chunk_kda_triton
+
+    chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
+    launches = []
+
+    def recording(kernel):
+        def launch(*args, **kwargs):
+            launches.append(kernel.fn.__name__)
+
+        return type("Grid", (), {"__getitem__": lambda self, grid: launch})()
+
+    leaves = [torch.zeros(1, 128, 1, 16).requires_grad_() for _ in range(4)]
+    leaves.append(torch.zeros(1, 128, 1).requires_grad_())
+    packed = []
+
+    def pack(x):
+        packed.append(x)
+        return x
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+    real = chunk_triton.wrap_triton
+    chunk_triton.wrap_triton = recording
+    try:
+        if hooked:
+            with hooks:
+                o, _ = chunk_kda_triton(*leaves)
+        else:
+            o, _ = chunk_kda_triton(*leaves)
+        launches.clear()
+        torch.autograd.grad(o, leaves, torch.zeros_like(o))
+    finally:
+        chunk_triton.wrap_triton = real
+    assert launches == list(BACKWARD_KERNELS), launches
+    # The inputs, and under hooks the eight kept buffers (states [1, 2, 1, 16, 16]).
+    assert len(packed) == (5 + 8 if hooked else 0)
+    if hooked:
+        assert tuple(packed[-2].shape) == (1, 2, 1, 16, 16)
 
 
 def test_round_to_bf16_matches_torchs_round_to_nearest_even(results):

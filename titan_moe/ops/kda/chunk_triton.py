@@ -22,7 +22,11 @@ until the op does) and runs as three ops, each the last reader of some: A_qk, W,
 first, the states with the second. So an eager f+b peaks at the state terms holding what the
 backward that recomputed held there (bench/kda_memory.py: 7.76 GiB at 64K x 16 heads, 0.25
 below it, A_qk no longer held to the end); Inductor frees the kept buffers by last use itself.
-A second backward through a retained graph finds them handed over and recomputes.
+A second backward through a retained graph finds them handed over and recomputes. Under
+saved-tensor hooks (activation checkpointing, offloading: they see saved tensors only) the
+buffers are saved instead, so a checkpoint drops them until its recompute; a non-reentrant
+checkpoint lets go of what it unpacks, so the backward still frees them as it goes (seen on
+CPU with a toy Function).
 
 The backward's buffers (kept or recomputed) and the gradients' peak at 5.6 kB a token and head
 at K = V = 128, dO included (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than
@@ -540,17 +544,22 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _, _ = inputs
     kept = output[2:]
     ctx.mark_non_differentiable(*kept)
-    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state)
-    # On the context, not saved: the backward takes them off it and frees each after its last
-    # reader (saved tensors live until the whole backward returns). A second backward through a
-    # retained graph finds none and recomputes.
-    ctx.kept = list(kept) if kept[0].numel() else None
+    kept = list(kept) if kept[0].numel() else []
+    # Saved-tensor hooks (activation checkpointing, offloading) act on saved tensors only: under
+    # them the kept buffers are saved, so a checkpoint drops them until its recompute. Otherwise
+    # they go on the context, unsaved: the backward takes them off it and frees each after its
+    # last reader (saved tensors live until the whole backward returns), and a second backward
+    # through a retained graph finds none and recomputes.
+    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state,
+                          *(kept if hooked else ()))
+    ctx.kept = None if hooked or not kept else kept
     ctx.scale, ctx.g_min = scale, g_min
 
 
 def _backward(ctx, do: Tensor, d_final: Tensor | None, *_kept_grads):
-    q, k, v, g, beta, doc, A_log, dt_bias, initial_state = ctx.saved_tensors
-    kept, ctx.kept = ctx.kept, None
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, *saved = ctx.saved_tensors
+    kept, ctx.kept = ctx.kept or saved or None, None
     if d_final is not None and d_final.numel() == 0:
         d_final = None
     args = (q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
