@@ -5,8 +5,8 @@
 
 Triton compiles ahead of time for a named target with no GPU present (ptxas ships with Triton),
 so the cost that delays a cold first step — each kernel's JIT, dominated by its unrolled loops —
-can be measured and cut on any machine. The launches are the op's own: chunk_kda_fwd and
-chunk_kda_bwd run on CPU tensors with the kernel launcher replaced by a recorder, and each
+can be measured and cut on any machine. The launches are the op's own: chunk_kda_fwd and the
+backward autograd runs run on CPU tensors with the kernel launcher replaced by a recorder, and each
 recorded launch (arguments typed as the launcher types them: tensors by dtype, ints i32, Python
 floats fp32) is compiled once into an empty Triton cache. Prints a table (seconds, PTX and LLVM
 IR size, shared memory, and ptxas's own count of registers and spill bytes a thread: a spilling
@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -28,15 +29,17 @@ from triton_static import recorded_launches, resource_usage, source
 
 from titan_moe.cli_args import positive
 from titan_moe.ops.kda import chunk_triton
+from titan_moe.plan.op_workspace import kda_backward_bodies
 
 
 def forward_backward(inputs: tuple, d: int) -> None:
     """One forward and backward of the op's bodies, as autograd runs them (the forward keeps
-    its chunk matrices for the backward): inputs are (q, k, v, g, beta, doc, A_log, dt_bias,
-    initial_state)."""
-    _, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(*inputs, d**-0.5, -5.0, False, True)
-    chunk_triton.chunk_kda_bwd._init_fn(*inputs, torch.zeros_like(inputs[2]), None, d**-0.5,
-                                        -5.0, *matrices)
+    its buffers for the backward, chunk_triton._backward): inputs are (q, k, v, g, beta, doc,
+    A_log, dt_bias, initial_state)."""
+    _, _, *kept = chunk_triton.chunk_kda_fwd._init_fn(*inputs, d**-0.5, -5.0, False, True)
+    ctx = SimpleNamespace(saved_tensors=inputs, kept=kept, scale=d**-0.5, g_min=-5.0)
+    with kda_backward_bodies():
+        chunk_triton._backward(ctx, torch.zeros_like(inputs[2]), None)
 
 
 def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.dtype,

@@ -5,7 +5,7 @@
     python bench/kda_kernels.py --warps 4 --stages 2     # one setting
     python bench/kda_kernels.py --device cpu --shape 1,128,1,32 --iters 1  # interpreter smoke run
 
-One forward and backward of the op (`chunk_kda_fwd`, `chunk_kda_bwd` as autograd runs them, g
+One forward and backward of the op (`chunk_kda_fwd` and the backward as autograd runs them, g
 given, packed documents) records every kernel launch with its real arguments; then each launch
 runs again alone under every setting, timed with CUDA events (median of --iters after a warm-up
 call that compiles it). A launch's time does not depend on the values it reads, so the scans,

@@ -8,9 +8,9 @@ with the inputs, dO, the output and the inputs' .grad alive. The same run happen
 tensors with every Triton launch stubbed out, so each op's Python allocates exactly what it
 allocates on the GPU and no kernel runs; a dispatch mode (the memory plan's
 `titan_moe.plan.op_workspace.LiveBytes`) adds up the bytes of every live storage and keeps the
-largest sum. Our op's forward and backward bodies run as plain Python,
-under its own autograd (the forward saves the inputs and the chunk matrices it keeps for the
-backward, as the op's does): a custom op's body is hidden from a
+largest sum. Our op's forward and backward bodies run as plain Python, under its own autograd
+(the forward saves the inputs and hands what it keeps to the backward, which frees each buffer
+after the op that last reads it, as the op's does): a custom op's body is hidden from a
 dispatch mode. fla-core is pure Python plus Triton; installed, its `chunk_kda` (`safe_gate`,
 lower bound -5, g given or `use_gate_in_kernel`) runs the same way. The caching allocator's
 512-byte rounding is left out. Checked against the H200: the op as it was on 2026-12-04
@@ -31,7 +31,12 @@ import triton.runtime.jit
 from kda import G_MIN, ISSUE_SHAPES
 from report import write_json
 
-from titan_moe.plan.op_workspace import LiveBytes, chunk_triton, kda_launches_skipped
+from titan_moe.plan.op_workspace import (
+    LiveBytes,
+    chunk_triton,
+    kda_backward_bodies,
+    kda_launches_skipped,
+)
 
 
 @contextlib.contextmanager
@@ -56,29 +61,26 @@ def no_triton_launches():
 
 
 class OursWithBodies(torch.autograd.Function):
-    """Our op's autograd (forward saves the inputs and the kept chunk matrices, backward is
-    `chunk_triton._backward`) with the two triton_ops' Python bodies called directly."""
+    """Our op's autograd (forward saves the inputs and hands the buffers it keeps to the
+    backward, `chunk_triton._backward`) with the triton_ops' Python bodies called directly."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias):
         ctx.scale = q.shape[-1] ** -0.5
-        o, _, *matrices = chunk_triton.chunk_kda_fwd._init_fn(
+        o, _, *kept = chunk_triton.chunk_kda_fwd._init_fn(
             q, k, v, g, beta, None, A_log, dt_bias, None, ctx.scale, G_MIN, False, True)
-        kept = matrices if matrices[0].numel() else (None, None, None)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *kept)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias)
+        ctx.kept = list(kept) if kept[0].numel() else None  # as chunk_triton._setup_context
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, beta, A_log, dt_bias, *matrices = ctx.saved_tensors
-        saved = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None,
-                                               *matrices), scale=ctx.scale, g_min=G_MIN)
-        op = chunk_triton.chunk_kda_bwd
-        chunk_triton.chunk_kda_bwd = op._init_fn
-        try:
+        q, k, v, g, beta, A_log, dt_bias = ctx.saved_tensors
+        saved = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None),
+                                kept=ctx.kept, scale=ctx.scale, g_min=G_MIN)
+        ctx.kept = None
+        with kda_backward_bodies():
             grads = chunk_triton._backward(saved, do, None)
-        finally:
-            chunk_triton.chunk_kda_bwd = op
         dq, dk, dv, dg, dbeta, _, dA_log, d_dt_bias = grads[:8]
         return dq, dk, dv, dg, dbeta, dA_log, d_dt_bias
 

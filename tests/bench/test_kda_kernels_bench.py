@@ -1,6 +1,6 @@
 """bench/kda_kernels.py under Triton's interpreter (tests/ops/interpreter.py says why in a child
 process): it records the op's launches of one forward and backward, in the order chunk_triton's
-docstring gives (the backward reuses the kept chunk matrices: no tile_products, no inverse), and
+docstring gives (the backward runs from what the forward kept: none of the forward's kernels), and
 times each at the given setting and at the op's own."""
 
 import importlib
@@ -18,7 +18,6 @@ LAUNCHES = [
     "gate_cumsum_kernel#1", "tile_products_kernel#1", "unit_lower_inverse_kernel#1",
     "ut_transform_kernel#1",
     "state_scan_fwd_kernel#1", "chunk_output_kernel#1",
-    "gate_cumsum_kernel#2", "ut_transform_kernel#2", "state_scan_fwd_kernel#2",
     "chunk_output_bwd_kernel#1", "state_scan_bwd_kernel#1", "state_terms_bwd_kernel#1",
     "ut_transform_bwd_kernel#1", "tile_products_bwd_kernel#1", "gate_cumsum_bwd_kernel#1",
 ]

@@ -2,10 +2,11 @@
 by hand.
 
 The hand count is the op's memory contract: the backward peaks while the state terms are
-computed, with the four fp32 [T, H, K] buffers (G and three gradients), the three
-[T, H, 64] chunk matrices the forward kept (A_qk, KK, Tinv), the states and their gradients, Ṽ
-and dṼ live, besides what bench/kda.py holds (inputs, dO, the output, the inputs' .grad). A
-buffer added to that peak, or one freed later than it was, fails this test."""
+computed, with the four fp32 [T, H, K] buffers (G and three gradients), the chunk matrices KK
+and Tinv ([T, H, 64]), the states and their gradients, Ṽ and dṼ live, besides what
+bench/kda.py holds (inputs, dO, the output, the inputs' .grad). G, KK, Tinv, the states and Ṽ
+are the forward's, kept for the backward with A_qk, W and K_d, which its first op last read and
+frees. A buffer added to that peak, or one freed later than it was, fails this test."""
 
 import pytest
 
@@ -26,6 +27,5 @@ def test_our_op_peak_equals_the_hand_count(kda_memory, fused):
     held = (4 * bf16_btd + b * t * h * 2) * 2 + 2 * bf16_btd  # inputs and .grad; dO, o
     if fused:
         held += (h + h * d) * 4 * 2  # A_log, dt_bias and their .grad
-    held += 3 * b * t * h * 64 * 4  # the chunk matrices A_qk, KK, Tinv the forward kept
-    peak = held + state_terms_buffers(t, d, kept_matrices=True)
+    peak = held + state_terms_buffers(t, d)
     assert kda_memory.predicted_peak(kda_memory.ours, (b, t, h, d), fused) == peak

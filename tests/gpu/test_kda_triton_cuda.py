@@ -151,7 +151,7 @@ def test_opcheck_fake_tensor_and_autograd(backend):
     q, k, v, g, beta, h0, _, _ = make_case(1, 130, 16, 128, "random")
     args = [x.bfloat16().requires_grad_() for x in (q, k, v, g, beta)]
     args += [None, None, None, h0, 128**-0.5, G_MIN, True]
-    args += [True] if backend == "triton" else [False]  # ours' keep_matrices, fla's static_layout
+    args += [True] if backend == "triton" else [False]  # ours' keep, fla's static_layout
     torch.library.opcheck({"triton": chunk_kda_fwd, "fla": fla_kda_fwd}[backend], args)
 
 

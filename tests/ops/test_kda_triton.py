@@ -55,6 +55,17 @@ BF16_CASES = {
     "bf16-T130-pinned": (1, 130, 1, 64, 32, "pinned", None, True),
     "bf16-doc-ids-fused-gate": (2, 100, 1, 32, 32, "fused", "doc_ids", True),
 }
+# The backward from what the forward kept against the one that recomputes it: name -> (batch,
+# seq_len, heads, d_k, d_v, gate, documents, input dtype).
+KEPT_CASES = {
+    "kept-fp32-doc-ids-fused": (2, 100, 2, 16, 16, "fused", "doc_ids", torch.float32),
+    "kept-bf16-T130": (1, 130, 1, 32, 32, "random", None, torch.bfloat16),
+}
+FORWARD_KERNELS = ("gate_cumsum_kernel", "tile_products_kernel", "unit_lower_inverse_kernel",
+                   "ut_transform_kernel", "state_scan_fwd_kernel")
+BACKWARD_KERNELS = ("chunk_output_bwd_kernel", "state_scan_bwd_kernel", "state_terms_bwd_kernel",
+                    "ut_transform_bwd_kernel", "tile_products_bwd_kernel",
+                    "gate_cumsum_bwd_kernel")
 
 
 def make_inputs(batch, seq_len, heads, d_k, d_v, gate, seed=0):
@@ -159,6 +170,64 @@ def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states,
     return report
 
 
+def run_kept_vs_recomputed(batch, seq_len, heads, d_k, d_v, gate, doc_kind, dtype) -> dict:
+    """Two backwards through one retained graph of the op: the first from the buffers the
+    forward kept, the second (which finds them handed over) recomputing them with the same
+    kernels; and the op under a non-reentrant checkpoint (its saved-tensor hooks: the kept
+    buffers saved, dropped, recomputed). The kernels each backward launches, in order, and the
+    gradients not bitwise equal to the first's."""
+    import importlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    from titan_moe.ops.kda import chunk_kda_triton
+
+    chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
+    q, k, v, g, beta, h0, (A_log, dt_bias) = make_inputs(batch, seq_len, heads, d_k, d_v, gate)
+    _, doc = documents(doc_kind, batch, seq_len)
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
+    leaves.append(h0.float().requires_grad_())
+    gate_args = {}
+    if gate == "fused":
+        gate_args = dict(A_log=A_log.float().requires_grad_(),
+                         dt_bias=dt_bias.float().requires_grad_(), g_min=G_MIN)
+    def op(*leaves):
+        return chunk_kda_triton(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                doc=doc, **gate_args)
+
+    o, s = op(*leaves)
+    gen = torch.Generator().manual_seed(1)
+    do, ds = torch.randn(o.shape, generator=gen).to(dtype), torch.randn(s.shape, generator=gen)
+    inputs = leaves + list(gate_args.values())[:2]
+    launches = {"kept": [], "recomputed": [], "checkpointed": []}
+    real = chunk_triton.wrap_triton
+
+    def recording(kernel):
+        launches[backward].append(kernel.fn.__name__)
+        return real(kernel)
+
+    chunk_triton.wrap_triton = recording
+    try:
+        backward = "kept"
+        kept = torch.autograd.grad((o, s), inputs, (do, ds), retain_graph=True)
+        backward = "recomputed"
+        recomputed = torch.autograd.grad((o, s), inputs, (do, ds))
+        backward = "checkpointed"
+        o, s = checkpoint(op, *leaves, use_reentrant=False)
+        launches[backward].clear()  # the forward's own
+        checkpointed = torch.autograd.grad((o, s), inputs, (do, ds))
+    finally:
+        chunk_triton.wrap_triton = real
+    names = ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"][:len(inputs)]
+
+    def unequal(grads):
+        return [name for name, a, b in zip(names, kept, grads, strict=True)
+                if not torch.equal(a, b)]
+
+    return {**{f"{kind}_launches": kernels for kind, kernels in launches.items()},
+            "unequal": unequal(recomputed), "checkpointed_unequal": unequal(checkpointed)}
+
+
 @triton.jit
 def rounded(x, y, N: tl.constexpr):
     offs = tl.arange(0, N)
@@ -238,6 +307,112 @@ def test_op_by_segments_matches_the_whole_op_and_float64(results, name):
     assert all(value <= grad_bound for value in grads.values()), grads
 
 
+@pytest.mark.parametrize("name", KEPT_CASES)
+def test_kept_backward_equals_the_recomputing_one_bit_for_bit(results, name):
+    """The forward keeps G, W, K_d, the states and V~ besides the chunk matrices, so its
+    backward launches only the backward kernels; the backward that recomputes them runs the
+    forward's kernels on the same inputs, so the gradients are equal bit for bit, as they are
+    under a checkpoint, whose hooks get the kept buffers saved."""
+    report = results[name]
+    assert "error" not in report, report.get("error")
+    assert report["kept_launches"] == list(BACKWARD_KERNELS), report["kept_launches"]
+    recomputed = report["recomputed_launches"]
+    assert [n for n in recomputed if n in FORWARD_KERNELS] == list(FORWARD_KERNELS), recomputed
+    assert [n for n in recomputed if n in BACKWARD_KERNELS] == list(BACKWARD_KERNELS), recomputed
+    assert report["unequal"] == [], report
+    # Under the checkpoint, its recompute (the whole forward), then the backward from the saved
+    # buffers; bit for bit the same gradients.
+    forward = [*FORWARD_KERNELS, "chunk_output_kernel"]
+    assert report["checkpointed_launches"] == forward + list(BACKWARD_KERNELS), report
+    assert report["checkpointed_unequal"] == [], report
+
+
+def test_forward_and_backward_trace_with_fake_tensors():
+    """The joint graph torch.compile's AOTAutograd traces (here make_fx on fake tensors, in this
+    process: no kernel runs): the forward op with its kept outputs, then the three backward ops
+    that take them, none recomputing. Fake shapes: bf16 inputs at T 200 (4 chunks), H 2,
+    K = V = 64, as the op allocates them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from titan_moe.ops.kda import chunk_kda_triton
+
+    def step(q, k, v, g, beta, h0, A_log, dt_bias, do, ds):
+        o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                A_log=A_log, dt_bias=dt_bias, g_min=G_MIN)
+        return torch.autograd.grad((o, s), (q, k, v, g, beta, h0, A_log, dt_bias), (do, ds))
+
+    b, t, h, d = 1, 200, 2, 64
+    bf16 = dict(dtype=torch.bfloat16)
+    args = [torch.randn(b, t, h, d, **bf16).requires_grad_() for _ in range(4)]
+    args += [torch.rand(b, t, h, **bf16), torch.randn(b, h, d, d), torch.zeros(h),
+             torch.zeros(h * d)]
+    args = args[:4] + [x.requires_grad_() for x in args[4:]]
+    args += [torch.randn(b, t, h, d, **bf16), torch.randn(b, h, d, d)]
+    graph = make_fx(step, tracing_mode="fake")(*args).graph
+    calls = [node for node in graph.nodes if node.op == "call_function"
+             and str(node.target).startswith("titan_moe.")]
+    assert [str(node.target) for node in calls] == [
+        "titan_moe.chunk_kda_fwd.default", "titan_moe.chunk_kda_bwd_states.default",
+        "titan_moe.chunk_kda_bwd_state_terms.default", "titan_moe.chunk_kda_bwd_intra.default"]
+    outputs = sorted((node for node in graph.nodes if node.op == "call_function"
+                      and node.args and node.args[0] is calls[0]), key=lambda node: node.args[1])
+    kept = outputs[2:]
+    assert [node.args[1] for node in kept] == list(range(2, 10))
+    assert all(set(node.users) & set(calls[1:]) for node in kept)  # each read by a backward op
+    f32, bf = torch.float32, torch.bfloat16
+    want = [((1, 256, 2, 64), f32)] * 4 + [((1, 256, 2, 64), bf)] * 2 + [
+        ((1, 4, 2, 64, 64), f32), ((1, 256, 2, 64), bf)]
+    assert [(tuple(node.meta["val"].shape), node.meta["val"].dtype) for node in kept] == want
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "saved-tensor-hooks"])
+def test_kept_buffers_reach_the_backward_through_saved_tensor_hooks(hooked):
+    """Activation checkpointing and offloading act through saved-tensor hooks, which see only
+    saved tensors. Under such hooks the forward saves its kept buffers (a checkpoint then drops
+    them until its recompute); without, it hands them over on the autograd context, unsaved.
+    Either way the backward launches none of the forward's kernels. Launches are recorded, not
+    run (no values are compared here: the interpreted cases above do that)."""
+    import importlib
+
+    from titan_moe.ops.kda import chunk_kda_triton
+
+    chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
+    launches = []
+
+    def recording(kernel):
+        def launch(*args, **kwargs):
+            launches.append(kernel.fn.__name__)
+
+        return type("Grid", (), {"__getitem__": lambda self, grid: launch})()
+
+    leaves = [torch.zeros(1, 128, 1, 16).requires_grad_() for _ in range(4)]
+    leaves.append(torch.zeros(1, 128, 1).requires_grad_())
+    packed = []
+
+    def pack(x):
+        packed.append(x)
+        return x
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+    real = chunk_triton.wrap_triton
+    chunk_triton.wrap_triton = recording
+    try:
+        if hooked:
+            with hooks:
+                o, _ = chunk_kda_triton(*leaves)
+        else:
+            o, _ = chunk_kda_triton(*leaves)
+        launches.clear()
+        torch.autograd.grad(o, leaves, torch.zeros_like(o))
+    finally:
+        chunk_triton.wrap_triton = real
+    assert launches == list(BACKWARD_KERNELS), launches
+    # The inputs, and under hooks the eight kept buffers (states [1, 2, 1, 16, 16]).
+    assert len(packed) == (5 + 8 if hooked else 0)
+    if hooked:
+        assert tuple(packed[-2].shape) == (1, 2, 1, 16, 16)
+
+
 def test_round_to_bf16_matches_torchs_round_to_nearest_even(results):
     report = results["round_to_bf16"]
     assert "error" not in report, report.get("error")
@@ -256,5 +431,6 @@ if __name__ == "__main__":
     reports |= {name: guarded(run_case, *case, torch.bfloat16) for name, case in BF16_CASES.items()}
     reports |= {name: guarded(run_case, *case, dtype, segment)
                 for name, (case, dtype, segment) in SEGMENT_CASES.items()}
+    reports |= {name: guarded(run_kept_vs_recomputed, *case) for name, case in KEPT_CASES.items()}
     reports["round_to_bf16"] = guarded(run_rounding)
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

@@ -12,6 +12,7 @@ needed to make TTIR); the writes it finds are compared with the kernel's output 
 
 import importlib
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,17 +107,19 @@ def test_kda_kernels_write_only_their_outputs():
     doc = torch.zeros(1, 128, dtype=torch.int32)
 
     def run(m):
-        _, _, *matrices = m.chunk_kda_fwd(q, q, q, g, beta, doc, None, None, None, 0.125, -5.0,
-                                          True, True)
-        return m.chunk_kda_bwd(q, q, q, g, beta, doc, None, None, None, q, None, 0.125, -5.0,
-                               *matrices)
+        _, _, *kept = m.chunk_kda_fwd(q, q, q, g, beta, doc, None, None, None, 0.125, -5.0, True,
+                                      True)
+        ctx = SimpleNamespace(saved_tensors=(q, q, q, g, beta, doc, None, None, None), kept=kept,
+                              scale=0.125, g_min=-5.0)
+        return m._backward(ctx, q, None)
 
     got = written("titan_moe.ops.kda.chunk_triton", run)
-    # The backward's launches of the forward kernels (recomputation) overwrite their entries:
-    # given the forward's chunk matrices, its UT transform reads Tinv and writes W, U, K_d.
+    # The backward runs from the buffers the forward kept: the forward's kernels launch once,
+    # the scan storing the final state asked for.
     assert got == {"gate_cumsum_kernel": {"G_out"}, "tile_products_kernel": {"A_qk", "KK"},
                    "unit_lower_inverse_kernel": {"Tinv"}, "ut_transform_kernel": {"W", "U", "K_d"},
-                   "state_scan_fwd_kernel": {"h_states", "v_new"}, "chunk_output_kernel": {"o"},
+                   "state_scan_fwd_kernel": {"h_states", "v_new", "final_state"},
+                   "chunk_output_kernel": {"o"},
                    "chunk_output_bwd_kernel": {"dh_states", "dv_new"},
                    "state_scan_bwd_kernel": {"dh_states", "dv_new"},
                    "state_terms_bwd_kernel": {"d_qg", "d_w", "d_kd", "d_gamma"},

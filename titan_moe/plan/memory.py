@@ -89,7 +89,7 @@ from titan_moe.ops.short_conv.short_conv_triton import short_conv_triton
 from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 from titan_moe.parallel.pipeline import boundary_tensors
-from titan_moe.plan.op_workspace import kda_backward_workspace, kda_kept_matrices
+from titan_moe.plan.op_workspace import kda_backward_workspace, kda_kept_buffers
 
 GB = 1e9
 GIB = 2**30
@@ -286,7 +286,7 @@ def _kda_triton_op(q, k, v, g_raw, A_log, dt_bias, beta, g_min=-5.0, output_fina
     batch, seq_len, heads, d_k = q.shape
     _op_workspaces.append(kda_backward_workspace(batch, seq_len, heads, d_k, v.shape[-1],
                                                  A_log is not None))
-    kept = kda_kept_matrices(batch, seq_len, heads, q.device)
+    kept = kda_kept_buffers(batch, seq_len, heads, d_k, v.shape[-1], q.device)
     # The state KDA segments pass on (model/kda.py), fp32 as the op returns it.
     final = (q.new_empty(batch, heads, d_k, v.shape[-1], dtype=torch.float32)
              if output_final_state else None)

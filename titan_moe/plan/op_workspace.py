@@ -2,11 +2,13 @@
 launch skipped: the buffers are allocated exactly as on the GPU (on meta or CPU tensors) and no
 kernel runs.
 
-The memory plan needs this for the KDA op, whose backward recomputes the forward's states and
-W, U (and over segments its chunk matrices, which a one-segment forward keeps) and holds them
-in fp32 (W, K_d and V~ as bf16 GEMM operands) with the gradients' fp32 buffers: 5.1 kB a
-token and head at K = V = 128 over a segment (chunk_triton.SEGMENT tokens), where the layer's
-largest saved tensor is 2 bytes a channel.
+The memory plan needs this for the KDA op. On a sequence of one segment its forward keeps what
+the backward reads (chunk matrices, G, states, fp32; W, K_d and V~ as bf16 GEMM operands):
+3,072 B a token and head at K = V = 128, saved with the layer's other tensors, where the
+layer's largest activation is 2 bytes a channel. Its backward frees those as it goes and adds
+the gradients' fp32 buffers, 2.6 kB more at its peak; by segments (chunk_triton.SEGMENT
+tokens) the forward keeps nothing and the backward recomputes each segment's, 5.6 kB over a
+segment at its peak.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
 """
 
@@ -15,6 +17,7 @@ import functools
 import importlib
 import weakref
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,36 +88,64 @@ def kda_launches_skipped() -> Iterator[None]:
         chunk_triton.wrap_triton = original
 
 
-def kda_kept_matrices(batch: int, seq_len: int, heads: int,
-                      device: torch.device | str = "meta") -> tuple[torch.Tensor, ...]:
-    """The chunk matrices (A_qk, KK, Tinv, fp32) the KDA op's forward keeps for its backward
-    when a backward will run; none for a sequence over chunk_triton.SEGMENT tokens, whose
-    backward recomputes them segment by segment."""
-    if seq_len > chunk_triton.SEGMENT:
-        return ()
-    padded = -(-seq_len // chunk_triton.CHUNK) * chunk_triton.CHUNK
-    return tuple(torch.empty(batch, padded, heads, chunk_triton.CHUNK, dtype=torch.float32,
-                             device=device) for _ in range(3))
+@contextlib.contextmanager
+def kda_backward_bodies() -> Iterator[None]:
+    """The KDA op's backward triton_ops, as `chunk_triton._backward` calls them, run their Python
+    bodies directly: a custom op's body is hidden from a dispatch mode, and meta tensors have no
+    kernel to dispatch to."""
+    names = ("chunk_kda_bwd", "chunk_kda_bwd_states", "chunk_kda_bwd_state_terms",
+             "chunk_kda_bwd_intra")
+    ops = {name: getattr(chunk_triton, name) for name in names}
+    try:
+        for name, op in ops.items():
+            setattr(chunk_triton, name, op._init_fn)
+        yield
+    finally:
+        for name, op in ops.items():
+            setattr(chunk_triton, name, op)
 
 
-@functools.cache
-def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
-                           fused_gate: bool = True) -> int:
-    """Peak bytes the KDA op's backward holds besides its inputs and the chunk matrices its
-    forward kept (kda_kept_matrices: saved, so the plan counts them with the layer's saves): dO,
-    the recomputed fp32 buffers, the gradients' buffers and the gradients it returns (bf16
-    inputs, as in training)."""
+def _kda_inputs(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
+                fused_gate: bool) -> tuple:
+    """(q, k, v, g, beta, A_log, dt_bias) on meta, bf16 as in training."""
     with torch.device("meta"):
         q, k, g = (torch.empty(batch, seq_len, heads, d_k, dtype=torch.bfloat16)
                    for _ in range(3))
         v = torch.empty(batch, seq_len, heads, d_v, dtype=torch.bfloat16)
         beta = torch.empty(batch, seq_len, heads, dtype=torch.bfloat16)
         gate = (torch.empty(heads), torch.empty(heads * d_k)) if fused_gate else (None, None)
-        kept = kda_kept_matrices(batch, seq_len, heads)
-        tracker = LiveBytes(ignore=(q, k, v, g, beta, *gate, *kept))
-        with kda_launches_skipped(), tracker:
-            do = torch.empty_like(v)
-            grads = chunk_triton.chunk_kda_bwd._init_fn(q, k, v, g, beta, None, *gate, None, do,
-                                                        None, d_k**-0.5, -5.0, *kept)
-            del do, grads
-    return tracker.peak
+    return q, k, v, g, beta, *gate
+
+
+def kda_kept_buffers(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
+                     device: torch.device | str = "meta") -> tuple[torch.Tensor, ...]:
+    """What the KDA op's forward keeps for its backward when a backward will run
+    (chunk_triton.KEPT, bf16 inputs), as its body allocates them: none for a sequence over
+    chunk_triton.SEGMENT tokens, whose backward recomputes them segment by segment."""
+    q, k, v, g, beta, A_log, dt_bias = _kda_inputs(batch, seq_len, heads, d_k, d_v, True)
+    with kda_launches_skipped():
+        kept = chunk_triton.chunk_kda_fwd._init_fn(q, k, v, g, beta, None, A_log, dt_bias, None,
+                                                   d_k**-0.5, -5.0, False, True)[2:]
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in kept if t.numel())
+
+
+@functools.cache
+def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
+                           fused_gate: bool = True) -> int:
+    """Peak bytes the KDA op's backward holds besides its inputs and the buffers its forward
+    kept (kda_kept_buffers: saved, so the plan counts them with the layer's saves; the
+    backward frees each after its last reader, and what it has freed by its peak is subtracted
+    here): dO, the recomputed fp32 buffers, the gradients' buffers and the gradients it returns
+    (bf16 inputs, as in training). It runs as autograd runs it (chunk_triton._backward)."""
+    q, k, v, g, beta, A_log, dt_bias = _kda_inputs(batch, seq_len, heads, d_k, d_v, fused_gate)
+    tracker = LiveBytes(ignore=(q, k, v, g, beta, A_log, dt_bias))
+    with kda_launches_skipped(), kda_backward_bodies(), tracker:
+        kept = list(kda_kept_buffers(batch, seq_len, heads, d_k, d_v))
+        tracker.peak = kept_bytes = tracker.now  # the kept buffers alone: the forward has run
+        ctx = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None),
+                              kept=kept or None, scale=d_k**-0.5, g_min=-5.0)
+        del kept
+        do = torch.empty_like(v)
+        grads = chunk_triton._backward(ctx, do, None)
+        del do, grads
+    return tracker.peak - kept_bytes

@@ -2,23 +2,40 @@
 
     forward:  gate_cumsum -> tile_products -> unit_lower_inverse -> ut_transform
               -> state_scan_fwd -> chunk_output
-    backward: gate_cumsum -> ut_transform from the kept Tinv (by segments: tile_products and
-              unit_lower_inverse again) -> state_scan_fwd -> chunk_output_bwd
-              -> state_scan_bwd -> state_terms_bwd -> ut_transform_bwd -> tile_products_bwd
-              -> gate_cumsum_bwd
+    backward: chunk_output_bwd -> state_scan_bwd | state_terms_bwd | ut_transform_bwd
+              -> tile_products_bwd -> gate_cumsum_bwd   (three ops, split at the bars)
+    by segments, each segment's backward first recomputes gate_cumsum -> tile_products
+              -> unit_lower_inverse -> ut_transform -> state_scan_fwd
 
-`titan_moe::chunk_kda_fwd` and `titan_moe::chunk_kda_bwd` are `torch.library.triton_op`s, so
-Inductor sees the kernels (and their fake shapes) instead of an opaque call; autograd is
-registered on the forward op. The forward keeps its inputs and, when a backward will run on a
-sequence of one segment, the chunk matrices A_qk, KK and Tinv (768 B a token and head, fp32):
-the backward then skips tile_products and the 64x64 inverse (unit_lower_inverse.py), as fla's
-keeps its A matrices. W, U, the per-chunk states and V~ are recomputed in the backward, so
-memory stays linear in T. Those recomputed buffers and the gradients' take 5.1 kB a token and
-head at K = V = 128 (5.0 GiB at 64K tokens and 16 heads), so a sequence longer than SEGMENT
-tokens runs by segments, the state passed from one to the next: forward in order, backward last
-segment first, each from the state entering it (one more forward pass over the segments finds
-those states first). Both then hold one segment's buffers at any length, for that extra pass at
-long context. With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
+`titan_moe::chunk_kda_fwd` and the backward ops are `torch.library.triton_op`s, so Inductor sees
+the kernels (and their fake shapes) instead of an opaque call; autograd is registered on the
+forward op. The forward keeps its inputs and, when a backward will run on a sequence of one
+segment, what the backward would otherwise recompute (KEPT): the chunk matrices A_qk, KK, Tinv
+(fp32), G (fp32), W and K_d (the scans' operand dtype), the chunk-entry states (fp32, 64 KiB a
+chunk at K = V = 128) and V~ (operand dtype); U only feeds the forward scan, whose V~ replaces
+it. With bf16 inputs at K = V = 128 that is 3,072 B a token and head (768 of them the matrices
+kept before 2026-12-05), 3.0 GiB at 64K tokens and 16 heads; the backward then launches only
+its six kernels (the recomputation was gate_cumsum, ut_transform and state_scan_fwd, 2.6 of
+19.7 ms f+b at 64K on the H100). The backward takes the kept buffers off the autograd context
+rather than saving them (saved tensors live until the whole backward returns, an op's arguments
+until the op does) and runs as three ops, each the last reader of some: A_qk, W, K_d go with the
+first, the states with the second. So an eager f+b peaks at the state terms holding what the
+backward that recomputed held there (bench/kda_memory.py: 7.76 GiB at 64K x 16 heads, 0.25
+below it, A_qk no longer held to the end); Inductor frees the kept buffers by last use itself.
+A second backward through a retained graph finds them handed over and recomputes. Under
+saved-tensor hooks (activation checkpointing, offloading: they see saved tensors only) the
+buffers are saved instead, so a checkpoint drops them until its recompute; a non-reentrant
+checkpoint lets go of what it unpacks, so the backward still frees them as it goes (seen on
+CPU with a toy Function).
+
+The backward's buffers (kept or recomputed) and the gradients' peak at 5.6 kB a token and head
+at K = V = 128, dO included (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than
+SEGMENT tokens runs by segments, the state passed from one to the next: forward in order,
+keeping nothing, backward last segment first, each from the state entering it (one more
+forward pass over the segments finds those states first). Both then hold one segment's buffers
+at any length, for that extra pass at long context.
+
+With `A_log`/`dt_bias` the kernels compute the lower-bounded gate
 g = g_min sigmoid(exp(A_log) (g_raw + dt_bias)) themselves, and its chunk-local cumsum, and
 return the gradients of g_raw, A_log and dt_bias (the last two summed per chunk by the gate's
 backward kernel, then over chunks here: B * n_chunks * H * K floats, not the [B,T,H,K] tensors).
@@ -52,6 +69,11 @@ from titan_moe.ops.kda.ut_transform import ut_transform_bwd_kernel, ut_transform
 BLOCK_V = 32
 # Tokens a segment (a multiple of CHUNK): shorter sequences run whole.
 SEGMENT = 65536
+# What the forward of a one-segment sequence keeps for the backward when one will run: the
+# chunk matrices (fp32 [B,Tp,H,C]), the gate's cumsum G (fp32 [B,Tp,H,K]), W and K_d (the
+# scans' operand dtype, [B,Tp,H,K]), the chunk-entry states (fp32 [B,NC,H,K,V]) and V~ (operand
+# dtype, [B,Tp,H,V]): the backward then launches none of the forward's kernels.
+KEPT = ("A_qk", "KK", "Tinv", "G", "W", "K_d", "h_states", "v_new")
 # K (and V) blocks of the parallel kernels: the tiles that fit in registers without spilling
 # (bench/kda_compile.py reports each kernel's registers and spills).
 BLOCK_INTRA = 32
@@ -116,9 +138,8 @@ def _blocks(d_k: int, d_v: int) -> tuple[int, int, int]:
     return block_k, block_v, min(block_k, BLOCK_INTRA)
 
 
-def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
-    """G, A_qk, KK, Tinv, W, U, K_d of every chunk. `matrices`, the forward's (A_qk, KK, Tinv),
-    skip tile_products and the inverse."""
+def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min):
+    """G, A_qk, KK, Tinv, W, U, K_d of every chunk."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
@@ -138,22 +159,19 @@ def _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min, matrices=None):
         H=heads, K=d_k, BK=block, C=CHUNK, FUSED_GATE=A_log is not None,
         num_warps=NUM_WARPS["gate_cumsum_kernel"],
     )  # fmt: skip
-    if matrices is None:
-        A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
-        KK, Tinv = torch.empty_like(A_qk), torch.empty_like(A_qk)
-        wrap_triton(tile_products_kernel)[(CHUNK // SUBTILE, n_chunks, batch * heads)](
-            q, k, G, doc, A_qk, KK, scale, seq_len,
-            H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
-            OPERAND=operand,
-            num_warps=NUM_WARPS["tile_products_kernel"],
-            num_stages=NUM_STAGES["tile_products_kernel"],
-        )  # fmt: skip
-        wrap_triton(unit_lower_inverse_kernel)[(n_chunks, batch * heads)](
-            KK, beta, Tinv, seq_len, H=heads, C=CHUNK, SUBTILE=SUBTILE, PRECISION=_precise(q),
-            num_warps=NUM_WARPS["unit_lower_inverse_kernel"],
-        )  # fmt: skip
-    else:
-        A_qk, KK, Tinv = matrices
+    A_qk = torch.empty(batch, padded, heads, CHUNK, **f32)
+    KK, Tinv = torch.empty_like(A_qk), torch.empty_like(A_qk)
+    wrap_triton(tile_products_kernel)[(CHUNK // SUBTILE, n_chunks, batch * heads)](
+        q, k, G, doc, A_qk, KK, scale, seq_len,
+        H=heads, K=d_k, BK=block, C=CHUNK, SUBTILE=SUBTILE, HAS_DOCS=doc is not None,
+        OPERAND=operand,
+        num_warps=NUM_WARPS["tile_products_kernel"],
+        num_stages=NUM_STAGES["tile_products_kernel"],
+    )  # fmt: skip
+    wrap_triton(unit_lower_inverse_kernel)[(n_chunks, batch * heads)](
+        KK, beta, Tinv, seq_len, H=heads, C=CHUNK, SUBTILE=SUBTILE, PRECISION=_precise(q),
+        num_warps=NUM_WARPS["unit_lower_inverse_kernel"],
+    )  # fmt: skip
     wrap_triton(ut_transform_kernel)[(n_chunks, batch * heads)](
         k, v, G, beta, doc, Tinv, W, U, K_d, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
@@ -184,15 +202,16 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, operand
 
 
 def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min,
-                     output_final_state, keep_matrices=False):
-    """One segment's forward: (o, final state or None, (A_qk, KK, Tinv) or None)."""
+                     output_final_state, keep=False):
+    """One segment's forward: (o, final state or None, the KEPT buffers or None)."""
     batch, seq_len, heads, d_k = q.shape
     d_v = v.shape[-1]
     G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min)
-    matrices = (A_qk, KK, Tinv) if keep_matrices else None
-    del KK, Tinv  # not held through the scan unless kept
+    if not keep:
+        del KK, Tinv  # not held through the scan unless kept
     h_states, v_new, final = _scan(K_d, G, W, U, doc, initial_state, output_final_state,
                                    seq_len, _operand(q))
+    del U  # read by the scan only: V~ replaces it
     o = torch.empty(batch, seq_len, heads, d_v, device=q.device, dtype=q.dtype)
     block_k, block_v, _ = _blocks(d_k, d_v)
     wrap_triton(chunk_output_kernel)[(triton.cdiv(seq_len, CHUNK), batch * heads)](
@@ -200,7 +219,7 @@ def _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_kernel"],
     )  # fmt: skip
-    return o, final, matrices
+    return o, final, (A_qk, KK, Tinv, G, W, K_d, h_states, v_new) if keep else None
 
 
 def _final_state(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min):
@@ -241,18 +260,17 @@ def chunk_kda_fwd(
     scale: float,
     g_min: float,
     output_final_state: bool,
-    keep_matrices: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    keep: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o [B,T,H,V] in q's dtype, final state [B,H,K,V] fp32, empty unless asked for, and with
-    keep_matrices the chunk matrices A_qk, KK, Tinv [B,Tp,H,C] fp32 for the backward, which
-    then skips tile_products and the inverse; empty when not kept or when the sequence runs by
-    segments, whose backward recomputes them one segment at a time)."""
+    `keep` the KEPT buffers for the backward, which then runs none of the forward's kernels;
+    empty when not kept or when the sequence runs by segments, whose backward recomputes them
+    one segment at a time)."""
     seq_len = q.shape[1]
-    matrices = None
+    kept = None
     if seq_len <= SEGMENT:
-        o, final, matrices = _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias,
-                                              initial_state, scale, g_min, output_final_state,
-                                              keep_matrices)
+        o, final, kept = _forward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state,
+                                          scale, g_min, output_final_state, keep)
     else:
         o = torch.empty(*q.shape[:3], v.shape[-1], device=q.device, dtype=q.dtype)
         final = initial_state
@@ -261,35 +279,26 @@ def chunk_kda_fwd(
             o[:, start:end], final, _ = _forward_segment(
                 *rows, A_log, dt_bias, _entering(final, doc, start), scale, g_min, True)
         final = final if output_final_state else None
-    empties = [q.new_empty(0, dtype=torch.float32) for _ in range(4)]  # outputs never alias
-    return (o, final if final is not None else empties[0], *(matrices or empties[1:]))
+    empties = [q.new_empty(0, dtype=torch.float32) for _ in range(1 + len(KEPT))]  # never alias
+    return (o, final if final is not None else empties[0], *(kept or empties[1:]))
 
 
-def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
-                      g_min, matrices=None):
-    """One segment's backward: (dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state or
-    None, (dA_log, d_dt_bias) fp32 or None). `matrices`: the forward's (A_qk, KK, Tinv), else
-    recomputed."""
+def _state_grads(q, G, A_qk, K_d, W, doc, do, d_final, initial_state, scale):
+    """chunk_output_bwd, then the reverse scan: (dh_states fp32, dV~ fp32, d initial_state or
+    None)."""
     batch, seq_len, heads, d_k = q.shape
-    d_v = v.shape[-1]
+    d_v = do.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
-    block_k, block_v, block = _blocks(d_k, d_v)
-    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min,
-                                          matrices)
-    h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, seq_len,
-                               _operand(q))
-    # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
-    # the live ones at its peak (Inductor frees by last use on its own).
-    del U
-    dh_states = torch.empty_like(h_states)
-    dv_new = torch.empty_like(v_new, dtype=torch.float32)
+    block_k, block_v, _ = _blocks(d_k, d_v)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dh_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
+    dv_new = torch.empty(batch, G.shape[1], heads, d_v, **f32)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     wrap_triton(chunk_output_bwd_kernel)[(n_chunks, batch * heads)](
         q, G, A_qk, doc, do, dh_states, dv_new, scale, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         OPERAND=_operand(q), num_warps=NUM_WARPS["chunk_output_bwd_kernel"],
     )  # fmt: skip
-    del A_qk
     wrap_triton(state_scan_bwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
         K_d, G, W, doc, d_final, dh_states, dv_new, d_initial, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
@@ -297,18 +306,37 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         OPERAND=_operand(q), INTERPRETED=triton.knobs.runtime.interpret, STAGES=SCAN_STAGES,
         num_warps=NUM_WARPS["state_scan_bwd_kernel"],
     )  # fmt: skip
-    del W, K_d
+    return dh_states, dv_new, d_initial
 
+
+def _state_terms_grads(q, do, v_new, dv_new, h_states, dh_states, doc):
+    """state_terms_bwd: the gradients of Q_g, W, K_d ([B,Tp,H,K] fp32) and of the chunks' gate
+    totals ([B,NC,H,K] fp32)."""
+    batch, seq_len, heads, d_k = q.shape
+    d_v = do.shape[-1]
+    n_chunks = triton.cdiv(seq_len, CHUNK)
+    _, block_v, block = _blocks(d_k, d_v)
     f32 = dict(device=q.device, dtype=torch.float32)
-    d_qg, d_w, d_kd = (torch.empty_like(G) for _ in range(3))
+    d_qg, d_w, d_kd = (torch.empty(batch, v_new.shape[1], heads, d_k, **f32) for _ in range(3))
     d_gamma = torch.empty(batch, n_chunks, heads, d_k, **f32)
-    n_k_blocks = triton.cdiv(d_k, block)
-    wrap_triton(state_terms_bwd_kernel)[(n_k_blocks, n_chunks, batch * heads)](
+    wrap_triton(state_terms_bwd_kernel)[(triton.cdiv(d_k, block), n_chunks, batch * heads)](
         do, v_new, dv_new, h_states, dh_states, doc, d_qg, d_w, d_kd, d_gamma, seq_len,
         H=heads, K=d_k, V=d_v, BK=block, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,
         OPERAND=_operand(q), num_warps=NUM_WARPS["state_terms_bwd_kernel"],
     )  # fmt: skip
-    del h_states, dh_states
+    return d_qg, d_w, d_kd, d_gamma
+
+
+def _intra_grads(q, k, v, g, beta, doc, A_log, dt_bias, G, KK, Tinv, v_new, dv_new, do, d_qg,
+                 d_w, d_kd, d_gamma, scale, g_min):
+    """ut_transform_bwd (adds to d_w in place), tile_products_bwd, gate_cumsum_bwd: (dq, dk, dv,
+    dg in g's dtype, dbeta fp32, (dA_log, d_dt_bias) fp32 or None)."""
+    batch, seq_len, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    n_chunks = triton.cdiv(seq_len, CHUNK)
+    _, block_v, block = _blocks(d_k, d_v)
+    n_k_blocks = triton.cdiv(d_k, block)
+    f32 = dict(device=q.device, dtype=torch.float32)
     dv = torch.empty_like(v)
     dbeta = torch.empty(beta.shape, **f32)
     dA, dP = torch.empty_like(KK), torch.empty_like(KK)
@@ -318,7 +346,6 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         OPERAND=_operand(q), PRECISION=_precise(q),
         num_warps=NUM_WARPS["ut_transform_bwd_kernel"],
     )  # fmt: skip
-    del KK, Tinv, v_new, dv_new
     # dG is first written here: allocated after the states are let go, it stays off the peak.
     dq, dk, dG = torch.empty_like(q), torch.empty_like(k), torch.empty_like(G)
     d_end_parts = torch.empty(batch, n_chunks, CHUNK // SUBTILE, heads, d_k, **f32)
@@ -330,7 +357,7 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
         num_warps=NUM_WARPS["tile_products_bwd_kernel"],
         num_stages=NUM_STAGES["tile_products_bwd_kernel"],
     )  # fmt: skip
-    del dA, dP, d_qg, d_w, d_kd
+    del dA, dP
     dg = torch.empty_like(g)
     fused = A_log is not None
     d_gate_params = torch.empty(2, batch, n_chunks, heads, d_k, **f32) if fused else None
@@ -343,7 +370,27 @@ def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, 
     if fused:
         # Summed apart, so neither returned gradient is a view of the other's buffer.
         gate_grads = (d_gate_params[1].sum((0, 1, 3)), d_gate_params[0].sum((0, 1)).reshape(-1))
-    return dq, dk, dv, dg, dbeta, d_initial, gate_grads
+    return dq, dk, dv, dg, dbeta, gate_grads
+
+
+def _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
+                      g_min):
+    """One segment's backward, recomputing what the forward did not keep: (dq, dk, dv, dg in
+    g's dtype, dbeta fp32, d initial_state or None, (dA_log, d_dt_bias) fp32 or None)."""
+    G, A_qk, KK, Tinv, W, U, K_d = _intra(q, k, v, g, beta, doc, A_log, dt_bias, scale, g_min)
+    h_states, v_new, _ = _scan(K_d, G, W, U, doc, initial_state, False, q.shape[1],
+                               _operand(q))
+    # Each buffer is let go after the last kernel that reads it, so an eager backward holds only
+    # the live ones at its peak (Inductor frees by last use on its own).
+    del U
+    dh_states, dv_new, d_initial = _state_grads(q, G, A_qk, K_d, W, doc, do, d_final,
+                                                initial_state, scale)
+    del A_qk, W, K_d
+    d_qg, d_w, d_kd, d_gamma = _state_terms_grads(q, do, v_new, dv_new, h_states, dh_states, doc)
+    del h_states, dh_states
+    grads = _intra_grads(q, k, v, g, beta, doc, A_log, dt_bias, G, KK, Tinv, v_new, dv_new, do,
+                         d_qg, d_w, d_kd, d_gamma, scale, g_min)
+    return (*grads[:5], d_initial, grads[5])
 
 
 @triton_op("titan_moe::chunk_kda_bwd", mutates_args=())
@@ -361,18 +408,14 @@ def chunk_kda_bwd(
     d_final: Tensor | None,
     scale: float,
     g_min: float,
-    A_qk: Tensor | None = None,
-    KK: Tensor | None = None,
-    Tinv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state fp32, dA_log fp32 [H],
-    d_dt_bias fp32 [H*K]; each of the last three empty without its input). A_qk, KK, Tinv: the
-    forward's kept chunk matrices (a sequence of one segment), else recomputed."""
+    """The backward that recomputes the forward's buffers (the forward kept none, or the
+    sequence runs by segments): (dq, dk, dv, dg in g's dtype, dbeta fp32, d initial_state fp32,
+    dA_log fp32 [H], d_dt_bias fp32 [H*K]; each of the last three empty without its input)."""
     seq_len = q.shape[1]
     if seq_len <= SEGMENT:
-        matrices = None if A_qk is None else (A_qk, KK, Tinv)
         grads = _backward_segment(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do,
-                                  d_final, scale, g_min, matrices)
+                                  d_final, scale, g_min)
     else:
         segments = _segments(seq_len)
         entering = [initial_state]  # the state entering each segment, zeroed where one begins
@@ -403,23 +446,129 @@ def chunk_kda_bwd(
     return (*grads[:5], d_initial, *gate_grads)
 
 
+# The backward from the forward's KEPT buffers runs as three ops, as each kernel group reads
+# them: an op's arguments live until it returns, so the buffers the first (or second) group
+# last reads are freed before the next runs, and the eager backward peaks no higher than the
+# one that recomputed them and let each go after its last kernel.
+
+
+@triton_op("titan_moe::chunk_kda_bwd_states", mutates_args=())
+def chunk_kda_bwd_states(
+    q: Tensor,
+    G: Tensor,
+    A_qk: Tensor,
+    K_d: Tensor,
+    W: Tensor,
+    doc: Tensor | None,
+    do: Tensor,
+    d_final: Tensor | None,
+    initial_state: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The kept backward's first ops, the last readers of A_qk, K_d and W: (dh_states, dV~,
+    d initial_state, all fp32; the last empty without initial_state)."""
+    dh_states, dv_new, d_initial = _state_grads(q, G, A_qk, K_d, W, doc, do, d_final,
+                                                initial_state, scale)
+    if d_initial is None:
+        d_initial = q.new_empty(0, dtype=torch.float32)
+    return dh_states, dv_new, d_initial
+
+
+@triton_op("titan_moe::chunk_kda_bwd_state_terms", mutates_args=())
+def chunk_kda_bwd_state_terms(
+    q: Tensor,
+    do: Tensor,
+    v_new: Tensor,
+    dv_new: Tensor,
+    h_states: Tensor,
+    dh_states: Tensor,
+    doc: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kept backward's state terms, the last reader of the states and their gradients:
+    (d Q_g, d W, d K_d, d gamma), fp32."""
+    return _state_terms_grads(q, do, v_new, dv_new, h_states, dh_states, doc)
+
+
+@triton_op("titan_moe::chunk_kda_bwd_intra", mutates_args=("d_w",))
+def chunk_kda_bwd_intra(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    G: Tensor,
+    KK: Tensor,
+    Tinv: Tensor,
+    v_new: Tensor,
+    dv_new: Tensor,
+    do: Tensor,
+    d_qg: Tensor,
+    d_w: Tensor,
+    d_kd: Tensor,
+    d_gamma: Tensor,
+    scale: float,
+    g_min: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The kept backward's last ops (d_w gains the UT transform's part in place): (dq, dk, dv,
+    dg in g's dtype, dbeta fp32, dA_log fp32 [H], d_dt_bias fp32 [H*K]; the last two empty
+    without the fused gate)."""
+    *grads, gate_grads = _intra_grads(q, k, v, g, beta, doc, A_log, dt_bias, G, KK, Tinv, v_new,
+                                      dv_new, do, d_qg, d_w, d_kd, d_gamma, scale, g_min)
+    if gate_grads is None:
+        gate_grads = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32))
+    return (*grads, *gate_grads)
+
+
+def _kept_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do, d_final, scale,
+                   g_min, kept: list[Tensor]):
+    """chunk_kda_bwd's outputs from the forward's KEPT buffers, which `kept` hands over: it is
+    emptied, so each buffer is freed after the op that last reads it."""
+    A_qk, KK, Tinv, G, W, K_d, h_states, v_new = kept
+    kept.clear()
+    dh_states, dv_new, d_initial = chunk_kda_bwd_states(q, G, A_qk, K_d, W, doc, do, d_final,
+                                                        initial_state, scale)
+    del A_qk, K_d, W
+    d_qg, d_w, d_kd, d_gamma = chunk_kda_bwd_state_terms(q, do, v_new, dv_new, h_states,
+                                                         dh_states, doc)
+    del h_states, dh_states
+    *grads, dA_log, d_dt_bias = chunk_kda_bwd_intra(
+        q, k, v, g, beta, doc, A_log, dt_bias, G, KK, Tinv, v_new, dv_new, do, d_qg, d_w, d_kd,
+        d_gamma, scale, g_min)
+    return (*grads, d_initial, dA_log, d_dt_bias)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _, _ = inputs
-    matrices = output[2:]
-    ctx.mark_non_differentiable(*matrices)
-    kept = matrices if matrices[0].numel() else (None, None, None)
-    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state, *kept)
+    kept = output[2:]
+    ctx.mark_non_differentiable(*kept)
+    kept = list(kept) if kept[0].numel() else []
+    # Saved-tensor hooks (activation checkpointing, offloading) act on saved tensors only: under
+    # them the kept buffers are saved, so a checkpoint drops them until its recompute. Otherwise
+    # they go on the context, unsaved: the backward takes them off it and frees each after its
+    # last reader (saved tensors live until the whole backward returns), and a second backward
+    # through a retained graph finds none and recomputes.
+    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    ctx.save_for_backward(q, k, v, g, beta, doc, A_log, dt_bias, initial_state,
+                          *(kept if hooked else ()))
+    ctx.kept = None if hooked or not kept else kept
     ctx.scale, ctx.g_min = scale, g_min
 
 
-def _backward(ctx, do: Tensor, d_final: Tensor | None, *_matrices_grads):
-    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, A_qk, KK, Tinv = ctx.saved_tensors
+def _backward(ctx, do: Tensor, d_final: Tensor | None, *_kept_grads):
+    q, k, v, g, beta, doc, A_log, dt_bias, initial_state, *saved = ctx.saved_tensors
+    kept, ctx.kept = ctx.kept or saved or None, None
     if d_final is not None and d_final.numel() == 0:
         d_final = None
-    dq, dk, dv, dg, dbeta, d_initial, dA_log, d_dt_bias = chunk_kda_bwd(
-        q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
-        None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min, A_qk, KK, Tinv,
-    )  # fmt: skip
+    args = (q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
+            None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min)
+    if kept is None:
+        grads = chunk_kda_bwd(*args)
+    else:
+        grads = _kept_backward(*args, kept)
+    dq, dk, dv, dg, dbeta, d_initial, dA_log, d_dt_bias = grads
     if A_log is None:
         dA_log = d_dt_bias = None
     else:
@@ -463,7 +612,7 @@ def chunk_kda_triton(
     scale = d_k**-0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    # A backward will run: keep the chunk matrices for it (inference does not pay for them).
+    # A backward will run: keep the KEPT buffers for it (inference does not pay for them).
     grads = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state)
     )
