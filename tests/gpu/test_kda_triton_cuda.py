@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.ops.kda import chunk_kda_fla, chunk_kda_torch, chunk_kda_triton, kda_gate
-from titan_moe.ops.kda.chunk_triton import chunk_kda_fwd
+from titan_moe.ops.kda.chunk_triton import (
+    chunk_kda_bwd_intra,
+    chunk_kda_bwd_state_terms,
+    chunk_kda_bwd_states,
+    chunk_kda_fwd,
+)
 from titan_moe.ops.kda.fla_backend import FLA_INSTALLED, fla_kda_fwd, use_tuned_fla_configs
 from titan_moe.ops.kda.varlen import doc_index_from_cu_seqlens
 
@@ -153,6 +158,26 @@ def test_opcheck_fake_tensor_and_autograd(backend):
     args += [None, None, None, h0, 128**-0.5, G_MIN, True]
     args += [True] if backend == "triton" else [False]  # ours' keep, fla's static_layout
     torch.library.opcheck({"triton": chunk_kda_fwd, "fla": fla_kda_fwd}[backend], args)
+
+
+def test_opcheck_the_kept_backward_ops():
+    """The three ops of the backward from the forward's kept buffers: schema (d_w the only input
+    written), fake shapes against the real ones, autograd registration and AOT dispatch."""
+    q, k, v, g, beta, h0, _, _ = make_case(1, 130, 16, 128, "random")
+    q, k, v, g, beta = (x.bfloat16() for x in (q, k, v, g, beta))
+    scale = 128**-0.5
+    o, _, A_qk, KK, Tinv, G, W, K_d, h_states, v_new = chunk_kda_fwd(
+        q, k, v, g, beta, None, None, None, h0, scale, G_MIN, True, True)
+    do, d_final = torch.randn_like(o), torch.randn_like(h0)
+    args = (q, G, A_qk, K_d, W, None, do, d_final, h0, scale)
+    torch.library.opcheck(chunk_kda_bwd_states, args)
+    dh_states, dv_new, _ = chunk_kda_bwd_states(*args)
+    args = (q, do, v_new, dv_new, h_states, dh_states, None)
+    torch.library.opcheck(chunk_kda_bwd_state_terms, args)
+    d_qg, d_w, d_kd, d_gamma = chunk_kda_bwd_state_terms(*args)
+    args = (q, k, v, g, beta, None, None, None, G, KK, Tinv, v_new, dv_new, do, d_qg, d_w, d_kd,
+            d_gamma, scale, G_MIN)
+    torch.library.opcheck(chunk_kda_bwd_intra, args)
 
 
 @pytest.mark.parametrize("gate", ["fused", "random"], ids=["fused-gate", "g-given"])
