@@ -49,7 +49,8 @@ SEGMENT_CASES = {
                              64),
 }
 SEGMENT_VS_WHOLE_RTOL = 1e-6  # the same kernels, the state handed over in fp32
-# The same op on bf16 q, k, v, g, beta (fp32 states): name -> case as above.
+# The same op on bf16 q, k, v, g, beta (fp32 initial and final states, the chunk-entry states
+# stored in bf16): name -> case as above.
 BF16_CASES = {
     "bf16-T200-random": (1, 200, 2, 64, 64, "random", None, True),
     "bf16-T130-pinned": (1, 130, 1, 64, 32, "pinned", None, True),
@@ -361,7 +362,7 @@ def test_forward_and_backward_trace_with_fake_tensors():
     assert all(set(node.users) & set(calls[1:]) for node in kept)  # each read by a backward op
     f32, bf = torch.float32, torch.bfloat16
     want = [((1, 256, 2, 64), f32)] * 4 + [((1, 256, 2, 64), bf)] * 2 + [
-        ((1, 4, 2, 64, 64), f32), ((1, 256, 2, 64), bf)]
+        ((1, 4, 2, 64, 64), bf), ((1, 256, 2, 64), bf)]
     assert [(tuple(node.meta["val"].shape), node.meta["val"].dtype) for node in kept] == want
 
 

@@ -88,13 +88,13 @@ def test_a_kda_layers_recompute_holds_the_ops_workspace(tiny):
 def test_a_kda_layer_saves_what_its_op_keeps_for_the_backward(tiny, monkeypatch):
     """The KDA op's forward keeps its chunk matrices, G, W, K_d, states and Ṽ for the backward
     (op_workspace.kda_kept_buffers): the layer's saves count them. By hand at K = V = 32, bf16
-    inputs: 3 · 64 · 4 (A_qk, KK, Tinv) + 32 · 4 (G) + 2 · 32 · 2 (W, K_d) + 32 · 32 · 4 / 64
-    (the states, one [K, V] a chunk) + 32 · 2 (Ṽ) = 1,152 B a token and head."""
+    inputs: 3 · 64 · 4 (A_qk, KK, Tinv) + 32 · 4 (G) + 2 · 32 · 2 (W, K_d) + 32 · 32 · 2 / 64
+    (the states, one bf16 [K, V] a chunk) + 32 · 2 (Ṽ) = 1,120 B a token and head."""
     args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
     assert args.head_dim == 32 and t % 64 == 0
     with_kept = layer_activation_bytes(args, 0, b, t).total
     monkeypatch.setattr(memory, "kda_kept_buffers", lambda *args, **kwargs: ())
-    assert with_kept - layer_activation_bytes(args, 0, b, t).total == 1152 * b * t * args.n_heads
+    assert with_kept - layer_activation_bytes(args, 0, b, t).total == 1120 * b * t * args.n_heads
 
 
 def test_layer_activations_scale_with_tokens(tiny):

@@ -41,7 +41,9 @@ def chunk_output_kernel(
     C: tl.constexpr, HAS_DOCS: tl.constexpr, OPERAND: tl.constexpr,
 ):  # fmt: skip
     """o [B,T,H,V] in o's dtype. One program a chunk and batch*head walks V by BV columns, so
-    Gamma * Q and A_qk are loaded and formed once, not once a V block."""
+    Gamma * Q and A_qk are loaded and formed once, not once a V block. The states come in the
+    operand dtype (state_scan.py): S is only a GEMM operand here, so bf16 storage changes no
+    value of o."""
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, they
     # promote what they multiply to fp64 and tl.dot rejects the mixed operands.
     scale = tl.cast(scale, tl.float32)

@@ -11,24 +11,26 @@
 the kernels (and their fake shapes) instead of an opaque call; autograd is registered on the
 forward op. The forward keeps its inputs and, when a backward will run on a sequence of one
 segment, what the backward would otherwise recompute (KEPT): the chunk matrices A_qk, KK, Tinv
-(fp32), G (fp32), W and K_d (the scans' operand dtype), the chunk-entry states (fp32, 64 KiB a
-chunk at K = V = 128) and V~ (operand dtype); U only feeds the forward scan, whose V~ replaces
-it. With bf16 inputs at K = V = 128 that is 3,072 B a token and head (768 of them the matrices
-kept before 2026-12-05), 3.0 GiB at 64K tokens and 16 heads; the backward then launches only
+(fp32), G (fp32), W and K_d (the scans' operand dtype), the chunk-entry states (operand dtype,
+32 KiB a chunk at K = V = 128 in bf16; state_scan.py says what that costs d g) and V~ (operand
+dtype); U only feeds the forward scan, whose V~ replaces it. With bf16 inputs at K = V = 128
+that is 2,560 B a token and head (768 of them the matrices kept before 2026-12-05, 512 the
+states), 2.5 GiB at 64K tokens and 16 heads; the backward then launches only
 its six kernels (the recomputation was gate_cumsum, ut_transform and state_scan_fwd, 2.6 of
 19.7 ms f+b at 64K on the H100). The backward takes the kept buffers off the autograd context
 rather than saving them (saved tensors live until the whole backward returns, an op's arguments
 until the op does) and runs as three ops, each the last reader of some: A_qk, W, K_d go with the
-first, the states with the second. So an eager f+b peaks at the state terms holding what the
-backward that recomputed held there (bench/kda_memory.py: 7.76 GiB at 64K x 16 heads, 0.25
-below it, A_qk no longer held to the end); Inductor frees the kept buffers by last use itself.
+first, the states with the second. So an eager f+b peaks where the backward that recomputes
+does, at tile_products_bwd, the states let go (bench/kda_memory.py: 7.55 GiB at 64K x 16 heads;
+7.76 with the states in fp32, which peaked at the state terms); Inductor frees the kept buffers
+by last use itself.
 A second backward through a retained graph finds them handed over and recomputes. Under
 saved-tensor hooks (activation checkpointing, offloading: they see saved tensors only) the
 buffers are saved instead, so a checkpoint drops them until its recompute; a non-reentrant
 checkpoint lets go of what it unpacks, so the backward still frees them as it goes (seen on
 CPU with a toy Function).
 
-The backward's buffers (kept or recomputed) and the gradients' peak at 5.6 kB a token and head
+The backward's buffers (kept or recomputed) and the gradients' peak at 5,420 B a token and head
 at K = V = 128, dO included (5.3 GiB at 64K tokens and 16 heads), so a sequence longer than
 SEGMENT tokens runs by segments, the state passed from one to the next: forward in order,
 keeping nothing, backward last segment first, each from the state entering it (one more
@@ -71,8 +73,8 @@ BLOCK_V = 32
 SEGMENT = 65536
 # What the forward of a one-segment sequence keeps for the backward when one will run: the
 # chunk matrices (fp32 [B,Tp,H,C]), the gate's cumsum G (fp32 [B,Tp,H,K]), W and K_d (the
-# scans' operand dtype, [B,Tp,H,K]), the chunk-entry states (fp32 [B,NC,H,K,V]) and V~ (operand
-# dtype, [B,Tp,H,V]): the backward then launches none of the forward's kernels.
+# scans' operand dtype, [B,Tp,H,K]), the chunk-entry states (operand dtype [B,NC,H,K,V]) and V~
+# (operand dtype, [B,Tp,H,V]): the backward then launches none of the forward's kernels.
 KEPT = ("A_qk", "KK", "Tinv", "G", "W", "K_d", "h_states", "v_new")
 # K (and V) blocks of the parallel kernels: the tiles that fit in registers without spilling
 # (bench/kda_compile.py reports each kernel's registers and spills).
@@ -185,12 +187,14 @@ def _scan(K_d, G, W, U, doc, initial_state, output_final_state, seq_len, operand
     d_v = U.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
     block_k, block_v, _ = _blocks(d_k, d_v)
-    f32 = dict(device=K_d.device, dtype=torch.float32)
-    h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
-    # V~ is read only as a GEMM operand (the output, the state terms, dA): stored in the scans'
-    # operand dtype.
+    # The chunk-entry states and V~ are stored in the scans' operand dtype. V~ is read only as
+    # a GEMM operand (the output, the state terms, dA); the states are too, but for the state
+    # terms' d gamma_C = sum_v S * dS (state_scan.py says what bf16 costs there). The running
+    # state stays in fp32 registers, and the final one is returned in fp32.
+    h_states = torch.empty(batch, n_chunks, heads, d_k, d_v, device=K_d.device, dtype=W.dtype)
     v_new = torch.empty_like(U, dtype=W.dtype)
-    final = torch.empty(batch, heads, d_k, d_v, **f32) if output_final_state else None
+    final = (torch.empty(batch, heads, d_k, d_v, device=K_d.device, dtype=torch.float32)
+             if output_final_state else None)
     wrap_triton(state_scan_fwd_kernel)[(triton.cdiv(d_v, block_v), batch * heads)](
         K_d, G, W, U, doc, initial_state, h_states, v_new, final, seq_len,
         H=heads, K=d_k, V=d_v, BK=block_k, BV=block_v, C=CHUNK, HAS_DOCS=doc is not None,

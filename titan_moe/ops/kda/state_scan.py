@@ -26,6 +26,18 @@ at most 5.3e-3 (bound 2e-2): d_k 32-128, up to 1,000 tokens, random, pinned and 
 under the interpreter rounding to bf16 as the GPU does (chunk_common.round_to_bf16). The
 per-chunk states are indexed in int64: B·NC·H·K·V passes 2^31 from about 512K tokens at H 16,
 K = V = 128.
+
+The forward scan stores the state entering each chunk (h_states) in the operand dtype, rounded
+to nearest, as fla does (bf16 for bf16 inputs: 32 KiB a chunk and head at K = V = 128, half of
+fp32's, written here, read by chunk_output_kernel and state_terms_bwd_kernel, kept between
+forward and backward). Its readers take it as a GEMM operand, rounded to bf16 there already,
+but for the state terms' d gamma_C = sum_v S * dS (fp32 products): only d g (and the fused
+gate's d A_log, d dt_bias) change, through gamma_C, which matters where the gate is near zero.
+Measured under the interpreter (2026-12-05, bench/RESULTS.md): d g at a near-zero gate 4.9e-3
+-> 5.1e-3 (d 64, 333 tokens) and 4.7e-3 -> 4.9e-3 (d 128, 500 tokens) of the 2e-2 bound, the
+output, final state and every other gradient bit for bit as with fp32 states. The state
+gradients (dh_states) stay fp32: they carry chunk_output_bwd_kernel's terms into the reverse
+scan's fp32 sum.
 """
 
 import triton
@@ -76,7 +88,8 @@ def scan_fwd_chunk(S, c, K_d, G, W, U, doc, h_states, v_new, b, h, T, Tp, n_chun
     v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     U_c = tl.load(U + v_offs, mask=v_ok[None, :], other=0.0)
     state_base = ((b * n_chunks + c) * H + h).to(tl.int64) * K * V
-    tl.store(h_states + state_base + state_offs, S, mask=state_ok)
+    tl.store(h_states + state_base + state_offs, rounded_to(S, h_states.dtype.element_ty),
+             mask=state_ok)
     v_c = U_c - tl.where(cont[:, None], mma(W_c, S, OPERAND), 0.0)
     v_stored = rounded_to(v_c, v_new.dtype.element_ty)
     tl.store(v_new + v_offs, v_stored, mask=v_ok[None, :])
@@ -91,7 +104,8 @@ def state_scan_fwd_kernel(
     STORE_FINAL: tl.constexpr, OPERAND: tl.constexpr, INTERPRETED: tl.constexpr,
     STAGES: tl.constexpr,
 ):  # fmt: skip
-    """h_states [B,NC,H,K,V] (state entering each chunk), v_new [B,Tp,H,V], final [B,H,K,V]."""
+    """h_states [B,NC,H,K,V] (state entering each chunk) and v_new [B,Tp,H,V] in the operand
+    dtype, final [B,H,K,V] fp32."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     n_chunks = tl.cdiv(T, C)
@@ -197,7 +211,8 @@ def state_terms_bwd_kernel(
     With S entering the chunk (h) and dS the gradient of the state leaving it (dh):
         d(Gamma Q) = dO S^T,  dW = -dV~ S^T   (rows continuing from the previous chunk)
         dK_d = V~ dS^T,       d gamma_C = sum_v S * dS
-    d_qg, d_w, d_kd [B,Tp,H,K] and d_gamma [B,NC,H,K], fp32.
+    d_qg, d_w, d_kd [B,Tp,H,K] and d_gamma [B,NC,H,K], fp32; S as stored (the operand dtype),
+    dS fp32.
 
     The K blocks of a chunk are the grid's first axis, so they run side by side: each reads the
     chunk's whole dO, V~ and dV~, and the K blocks after the first find them in L2. With the
@@ -223,7 +238,8 @@ def state_terms_bwd_kernel(
         v_ok = cols_v < V
         s_offs = state_base + cols_k[:, None] * V + cols_v[None, :]
         s_ok = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(h_states + s_offs, mask=s_ok, other=0.0)
+        # fp32 for d gamma_C's products (the states may be stored in bf16)
+        S = tl.load(h_states + s_offs, mask=s_ok, other=0.0).to(tl.float32)
         dS = tl.load(dh_states + s_offs, mask=s_ok, other=0.0)
         do_c = tl.load(do + ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :],
                        mask=valid[:, None] & v_ok[None, :], other=0.0)
