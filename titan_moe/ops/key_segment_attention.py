@@ -1,0 +1,186 @@
+"""Causal document attention by key segments, merged by log-sum-exp, with each key segment's
+keys and values projected inside the loop from per-position inputs (MLA: from its latents), so
+neither pass holds more than one key segment's keys and values (ring / flash attention's merge).
+
+Queries q [B, T, H, D] are the last T of S key positions. The keys split into the queries' own
+positions (the diagonal segment, causal) and, before them, segments of `key_segment` positions
+counted back from the queries (the first may be shorter), each wholly earlier than every query:
+
+    forward, per key segment j:  k_j, v_j = project(inputs_j)
+        (o_j, lse_j) = softmax attention of q over k_j, v_j under the causal/document mask
+        lse' = logaddexp(lse, lse_j);  o <- o e^(lse - lse') + o_j e^(lse_j - lse')
+    backward (o, lse the merged ones; δ = rowsum(dO ∘ O)), per key segment j, recomputed:
+        k_j, v_j = project(inputs_j);  P_j = exp(q k_jᵀ scale - lse)   (0 where masked)
+        dV_j = P_jᵀ dO;  dS_j = P_j ∘ (dO v_jᵀ - δ);  dQ += dS_j k_j scale;  dK_j = dS_jᵀ q scale
+        then the projection's own backward: dK_j, dV_j -> its inputs' and weights' gradients.
+
+A query row that no key of segment j may see (all of j in earlier documents) has lse_j = -inf:
+its o_j is 0 and its merge weight e^(-inf) = 0, computed against a finite stand-in for the
+merged lse while that is still -inf, so no -inf - -inf (NaN) arises. Every row sees at least
+its own position, so the final lse is finite.
+
+Scores, probabilities, the running output and lse are in at least float32 (float64 stays).
+This is the plain-PyTorch path (any device): a pair of segments materialises its [B, H, T, s]
+scores, which bounds its use on a GPU to short segments.
+
+The projection is a class (its static methods trace under torch.compile(fullgraph=True), as
+the autograd.Function's forward and backward do):
+
+    project(inputs, weights, options) -> (k [B, s, H, D], v [B, s, H, Dv])
+    backward(dk, dv, inputs, weights, options) -> (inputs' gradients, weights' gradients)
+
+`inputs` are per-position tensors [B, S, ...] (sliced per key segment), `weights` whole tensors
+(their gradients summed over the segments), `options` a tuple of Python constants.
+"""
+
+from typing import Any, Protocol
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class KeyProjection(Protocol):
+    @staticmethod
+    def project(inputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...],
+                options: tuple) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @staticmethod
+    def backward(dk: torch.Tensor, dv: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                 weights: tuple[torch.Tensor, ...], options: tuple
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]: ...
+
+
+class GivenKeys:
+    """The identity projection: inputs (k, v) are the keys and values themselves."""
+
+    @staticmethod
+    def project(inputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...],
+                options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(dk: torch.Tensor, dv: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                 weights: tuple[torch.Tensor, ...], options: tuple
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return (dk, dv), ()
+
+
+def key_segment_attention(
+    q: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    kv_doc: torch.Tensor | None,
+    inputs: tuple[torch.Tensor, ...],
+    weights: tuple[torch.Tensor, ...],
+    projection: type[KeyProjection],
+    options: tuple,
+    key_segment: int,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q kᵀ scale + causal/document mask) v over keys projected per key segment of at
+    most key_segment positions from `inputs` (see the module docstring); q [B, T, H, D] are the
+    last T positions, q_doc [B, T] / kv_doc [B, S] their documents (None: one document).
+    Returns [B, T, H, Dv] in q's dtype."""
+    return _KeySegmentAttention.apply(q, q_doc, kv_doc, projection, options, key_segment,
+                                      scale, len(inputs), *inputs, *weights)
+
+
+def key_segments(keys: int, queries: int, key_segment: int) -> list[tuple[int, int]]:
+    """[start, end) of each key segment: segments of key_segment positions counted back from
+    the queries' first position, then the queries' own positions (the diagonal, last)."""
+    first_query = keys - queries
+    starts = range(first_query - key_segment, -key_segment, -key_segment)
+    earlier = [(max(start, 0), start + key_segment) for start in reversed(starts)]
+    return [*earlier, (first_query, keys)]
+
+
+def _allowed(q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None, queries: int, keys: int,
+             start: int, end: int, device: torch.device) -> torch.Tensor:
+    """[B or 1, T, end - start] bool: query row r (position keys - queries + r) may see key
+    position start + c: earlier or itself, in its document."""
+    query_pos = torch.arange(keys - queries, keys, device=device)
+    key_pos = torch.arange(start, end, device=device)
+    allowed = (key_pos[None, :] <= query_pos[:, None]).unsqueeze(0)
+    if q_doc is None:
+        return allowed
+    return allowed & (q_doc[:, :, None] == kv_doc[:, None, start:end])
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+    """[B, H, T, s] scaled scores in q's (widened) dtype, -inf where not allowed."""
+    s = torch.einsum("bthd,bshd->bhts", q, k.to(q.dtype)) * scale
+    return s.masked_fill(~allowed[:, None], NEG_INF)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (no key seen) replaced by 0: exp(-inf - 0) is the 0 wanted, not NaN."""
+    return lse.masked_fill(lse == NEG_INF, 0.0)
+
+
+def _slices(tensors: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t[:, start:end] for t in tensors)
+
+
+class _KeySegmentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, q_doc: torch.Tensor | None,
+                kv_doc: torch.Tensor | None, projection: type[KeyProjection], options: tuple,
+                key_segment: int, scale: float, n_inputs: int, *tensors: torch.Tensor
+                ) -> torch.Tensor:
+        inputs, weights = tensors[:n_inputs], tensors[n_inputs:]
+        wide = torch.promote_types(q.dtype, torch.float32)
+        qw = q.to(wide)
+        queries, keys = q.shape[1], inputs[0].shape[1]
+        out = lse = None
+        for start, end in key_segments(keys, queries, key_segment):
+            k, v = projection.project(_slices(inputs, start, end), weights, options)
+            s = _scores(qw, k, _allowed(q_doc, kv_doc, queries, keys, start, end, q.device),
+                        scale)
+            lse_j = torch.logsumexp(s, dim=-1)  # [B, H, T]
+            p = torch.exp(s - _finite(lse_j)[..., None])
+            o_j = torch.einsum("bhts,bshd->bhtd", p, v.to(wide))
+            if out is None:
+                out, lse = o_j, lse_j
+                continue
+            merged = torch.logaddexp(lse, lse_j)
+            stand_in = _finite(merged)[..., None]
+            out = out * torch.exp(lse[..., None] - stand_in) + o_j * torch.exp(
+                lse_j[..., None] - stand_in)
+            lse = merged
+        o = out.transpose(1, 2).to(q.dtype)  # [B, T, H, Dv]
+        ctx.save_for_backward(q, q_doc, kv_doc, o, lse, *tensors)
+        ctx.projection, ctx.options, ctx.key_segment = projection, options, key_segment
+        ctx.scale, ctx.n_inputs = scale, n_inputs
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, q_doc, kv_doc, o, lse, *tensors = ctx.saved_tensors
+        inputs, weights = tuple(tensors[: ctx.n_inputs]), tuple(tensors[ctx.n_inputs:])
+        wide = torch.promote_types(q.dtype, torch.float32)
+        qw, dow = q.to(wide), do.to(wide)
+        delta = (dow * o.to(wide)).sum(-1).transpose(1, 2)  # [B, H, T]
+        lse = _finite(lse)[..., None]
+        queries, keys = q.shape[1], inputs[0].shape[1]
+        dq = torch.zeros_like(qw)
+        d_inputs: list[tuple[torch.Tensor, ...]] = []
+        d_weights = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32))
+                     for w in weights]
+        for start, end in key_segments(keys, queries, ctx.key_segment):
+            segment_inputs = _slices(inputs, start, end)
+            k, v = ctx.projection.project(segment_inputs, weights, ctx.options)
+            allowed = _allowed(q_doc, kv_doc, queries, keys, start, end, q.device)
+            p = torch.exp(_scores(qw, k, allowed, ctx.scale) - lse)  # [B, H, T, s]
+            dv = torch.einsum("bhts,bthd->bshd", p, dow)
+            dp = torch.einsum("bthd,bshd->bhts", dow, v.to(wide))
+            ds = p * (dp - delta[..., None]) * ctx.scale
+            dq = dq + torch.einsum("bhts,bshd->bthd", ds, k.to(wide))
+            dk = torch.einsum("bhts,bthd->bshd", ds, qw)
+            d_in, d_w = ctx.projection.backward(dk.to(k.dtype), dv.to(v.dtype), segment_inputs,
+                                                weights, ctx.options)
+            d_inputs.append(d_in)
+            d_weights = [total + grad for total, grad in zip(d_weights, d_w, strict=True)]
+        grads_in = [torch.cat(parts, 1) for parts in zip(*d_inputs, strict=True)]
+        grads_w = [grad.to(w.dtype) for grad, w in zip(d_weights, weights, strict=True)]
+        return (dq.to(q.dtype), None, None, None, None, None, None, None, *grads_in, *grads_w)
