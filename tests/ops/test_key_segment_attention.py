@@ -2,11 +2,13 @@
 attention (document_causal_attention: one SDPA over every key under the explicit causal/document
 mask), in float64 on CPU: outputs and q, k, v gradients agree to TOL of each tensor's largest
 magnitude (at least 1), for several key segments, documents crossing segment boundaries and
-query rows that no earlier key segment may serve (lse -inf there, no NaN)."""
+query rows that no earlier key segment may serve (lse -inf there, no NaN). The CUDA path's
+varlen layout runs too, its Flash kernels replaced by their per-sequence definition."""
 
 import pytest
 import torch
 
+from titan_moe.ops import segment_pair_attention as pair_module
 from titan_moe.ops.document_attention import document_causal_attention
 from titan_moe.ops.key_segment_attention import GivenKeys, key_segment_attention, key_segments
 
@@ -57,15 +59,25 @@ def test_key_segments_cover_the_prefix_back_from_the_queries():
 @pytest.mark.parametrize("queries", [S, 50])
 @pytest.mark.parametrize("key_segment", [16, 37, 64, 200])
 def test_key_segments_match_whole_attention(key_segment, queries, documents):
+    _compare(key_segment, queries, _documents(queries) if documents else None)
+
+
+def test_queries_whose_documents_start_with_them():
+    """Every row's queries start a document: no earlier key segment serves any query."""
+    doc = torch.zeros(B, S, dtype=torch.long)
+    doc[:, S - 50:] = 1
+    _compare(16, 50, doc)
+
+
+def _compare(key_segment: int, queries: int, doc: torch.Tensor | None) -> None:
     q, k, v = _inputs(queries)
-    doc = _documents(queries) if documents else None
     q_doc = None if doc is None else doc[:, S - queries:]
     scale = D**-0.5
     grad_out = torch.randn(B, queries, H, DV, dtype=torch.float64)
 
     def whole(q, k, v):
-        docs = (q_doc, doc) if documents else (torch.zeros(B, queries, dtype=torch.long),
-                                               torch.zeros(B, S, dtype=torch.long))
+        docs = (q_doc, doc) if doc is not None else (torch.zeros(B, queries, dtype=torch.long),
+                                                     torch.zeros(B, S, dtype=torch.long))
         return document_causal_attention(q, k, v, *docs, scale)
 
     def by_segments(q, k, v):
@@ -88,3 +100,59 @@ def test_rows_without_earlier_keys_merge_without_nan():
     alone = document_causal_attention(q[1:, rows], k[1:, start:S - 20], v[1:, start:S - 20],
                                       None, None, D**-0.5)
     _assert_close([out[1:, rows]], [alone])
+
+
+def _varlen_scores(q, k, cu_q, cu_k, causal, scale):
+    """Per varlen sequence: (query rows, key rows, [H, Lq, Lk] scores, causal bottom-right)."""
+    for i in range(cu_q.numel() - 1):
+        rows_q = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        rows_k = slice(int(cu_k[i]), int(cu_k[i + 1]))
+        lq, lk = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+        assert lq > 0 and lk > 0  # the layout sends no empty sequence
+        s = torch.einsum("qhd,khd->hqk", q[rows_q], k[rows_k]) * scale
+        if causal:
+            allowed = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+            s = s.masked_fill(~allowed, float("-inf"))
+        yield rows_q, rows_k, s
+
+
+def _fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
+    """Flash's varlen forward as its docs define it, per sequence: out, lse [H, total_q]."""
+    out, lse = torch.zeros_like(q), q.new_zeros(q.shape[1], q.shape[0])
+    for rows_q, rows_k, s in _varlen_scores(q, k, cu_q, cu_k, causal, scale):
+        lse[:, rows_q] = torch.logsumexp(s, -1)
+        out[rows_q] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[rows_k])
+    return out, lse, None, None, None
+
+
+def _fake_flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
+                         rng, unused, *, scale):
+    """Flash's varlen backward with the given out and lse, per sequence."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows_q, rows_k, s in _varlen_scores(q, k, cu_q, cu_k, causal, scale):
+        p = torch.exp(s - lse[:, rows_q, None])
+        delta = (do[rows_q] * out[rows_q]).sum(-1).t()[..., None]
+        dp = torch.einsum("qhd,khd->hqk", do[rows_q], v[rows_k])
+        ds = p * (dp - delta) * scale
+        dq[rows_q] = torch.einsum("hqk,khd->qhd", ds, k[rows_k])
+        dk[rows_k] = torch.einsum("hqk,qhd->khd", ds, q[rows_q])
+        dv[rows_k] = torch.einsum("hqk,qhd->khd", p, do[rows_q])
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("documents", [True, False, "fresh"],
+                         ids=["documents", "one-document", "documents-start-at-the-queries"])
+@pytest.mark.parametrize(("queries", "key_segment"), [(S, 37), (50, 16), (50, 64)])
+def test_flash_layout_matches_whole_attention(monkeypatch, key_segment, queries, documents):
+    """The CUDA path's varlen layout (which rows and keys each segment pair sends, cu_seqlens,
+    the scatter back, the merged out and lse into the backward, a pair no row takes part in)
+    on CPU, Flash's kernels replaced by their per-sequence definition in float64; v (Dv = 5)
+    padded to D = 8."""
+    monkeypatch.setattr(pair_module, "_flash_eligible", lambda q: True)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _fake_flash_forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", _fake_flash_backward)
+    doc = _documents(queries) if documents is True else None
+    if documents == "fresh":
+        doc = torch.zeros(B, S, dtype=torch.long)
+        doc[:, S - queries:] = 1
+    _compare(key_segment, queries, doc)

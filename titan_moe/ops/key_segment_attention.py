@@ -19,9 +19,9 @@ its o_j is 0 and its merge weight e^(-inf) = 0, computed against a finite stand-
 merged lse while that is still -inf, so no -inf - -inf (NaN) arises. Every row sees at least
 its own position, so the final lse is finite.
 
-Scores, probabilities, the running output and lse are in at least float32 (float64 stays).
-This is the plain-PyTorch path (any device): a pair of segments materialises its [B, H, T, s]
-scores, which bounds its use on a GPU to short segments.
+The running output and lse are in at least float32 (float64 stays). Each segment pair's
+attention and its backward are ops/segment_pair_attention.py's: Flash Attention's varlen
+kernels on CUDA in half precision, plain PyTorch (the pair's scores materialised) elsewhere.
 
 The projection is a class (its static methods trace under torch.compile(fullgraph=True), as
 the autograd.Function's forward and backward do):
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-NEG_INF = float("-inf")
+from titan_moe.ops.segment_pair_attention import finite, pair_backward, pair_forward
 
 
 class KeyProjection(Protocol):
@@ -94,32 +94,12 @@ def key_segments(keys: int, queries: int, key_segment: int) -> list[tuple[int, i
     return [*earlier, (first_query, keys)]
 
 
-def _allowed(q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None, queries: int, keys: int,
-             start: int, end: int, device: torch.device) -> torch.Tensor:
-    """[B or 1, T, end - start] bool: query row r (position keys - queries + r) may see key
-    position start + c: earlier or itself, in its document."""
-    query_pos = torch.arange(keys - queries, keys, device=device)
-    key_pos = torch.arange(start, end, device=device)
-    allowed = (key_pos[None, :] <= query_pos[:, None]).unsqueeze(0)
-    if q_doc is None:
-        return allowed
-    return allowed & (q_doc[:, :, None] == kv_doc[:, None, start:end])
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float
-            ) -> torch.Tensor:
-    """[B, H, T, s] scaled scores in q's (widened) dtype, -inf where not allowed."""
-    s = torch.einsum("bthd,bshd->bhts", q, k.to(q.dtype)) * scale
-    return s.masked_fill(~allowed[:, None], NEG_INF)
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (no key seen) replaced by 0: exp(-inf - 0) is the 0 wanted, not NaN."""
-    return lse.masked_fill(lse == NEG_INF, 0.0)
-
-
 def _slices(tensors: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[torch.Tensor, ...]:
     return tuple(t[:, start:end] for t in tensors)
+
+
+def _doc_slice(kv_doc: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if kv_doc is None else kv_doc[:, start:end]
 
 
 class _KeySegmentAttention(torch.autograd.Function):
@@ -129,26 +109,22 @@ class _KeySegmentAttention(torch.autograd.Function):
                 key_segment: int, scale: float, n_inputs: int, *tensors: torch.Tensor
                 ) -> torch.Tensor:
         inputs, weights = tensors[:n_inputs], tensors[n_inputs:]
-        wide = torch.promote_types(q.dtype, torch.float32)
-        qw = q.to(wide)
         queries, keys = q.shape[1], inputs[0].shape[1]
         out = lse = None
         for start, end in key_segments(keys, queries, key_segment):
             k, v = projection.project(_slices(inputs, start, end), weights, options)
-            s = _scores(qw, k, _allowed(q_doc, kv_doc, queries, keys, start, end, q.device),
-                        scale)
-            lse_j = torch.logsumexp(s, dim=-1)  # [B, H, T]
-            p = torch.exp(s - _finite(lse_j)[..., None])
-            o_j = torch.einsum("bhts,bshd->bhtd", p, v.to(wide))
+            o_j, lse_j = pair_forward(q, k, v, q_doc, _doc_slice(kv_doc, start, end), start,
+                                      keys, scale)
             if out is None:
                 out, lse = o_j, lse_j
                 continue
             merged = torch.logaddexp(lse, lse_j)
-            stand_in = _finite(merged)[..., None]
+            # A finite stand-in while no key was seen yet: both weights are then e^-inf = 0.
+            stand_in = finite(merged)[..., None]
             out = out * torch.exp(lse[..., None] - stand_in) + o_j * torch.exp(
                 lse_j[..., None] - stand_in)
             lse = merged
-        o = out.transpose(1, 2).to(q.dtype)  # [B, T, H, Dv]
+        o = out.to(q.dtype)
         ctx.save_for_backward(q, q_doc, kv_doc, o, lse, *tensors)
         ctx.projection, ctx.options, ctx.key_segment = projection, options, key_segment
         ctx.scale, ctx.n_inputs = scale, n_inputs
@@ -158,27 +134,18 @@ class _KeySegmentAttention(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, q_doc, kv_doc, o, lse, *tensors = ctx.saved_tensors
         inputs, weights = tuple(tensors[: ctx.n_inputs]), tuple(tensors[ctx.n_inputs:])
-        wide = torch.promote_types(q.dtype, torch.float32)
-        qw, dow = q.to(wide), do.to(wide)
-        delta = (dow * o.to(wide)).sum(-1).transpose(1, 2)  # [B, H, T]
-        lse = _finite(lse)[..., None]
         queries, keys = q.shape[1], inputs[0].shape[1]
-        dq = torch.zeros_like(qw)
+        dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
         d_inputs: list[tuple[torch.Tensor, ...]] = []
         d_weights = [torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32))
                      for w in weights]
         for start, end in key_segments(keys, queries, ctx.key_segment):
             segment_inputs = _slices(inputs, start, end)
             k, v = ctx.projection.project(segment_inputs, weights, ctx.options)
-            allowed = _allowed(q_doc, kv_doc, queries, keys, start, end, q.device)
-            p = torch.exp(_scores(qw, k, allowed, ctx.scale) - lse)  # [B, H, T, s]
-            dv = torch.einsum("bhts,bthd->bshd", p, dow)
-            dp = torch.einsum("bthd,bshd->bhts", dow, v.to(wide))
-            ds = p * (dp - delta[..., None]) * ctx.scale
-            dq = dq + torch.einsum("bhts,bshd->bthd", ds, k.to(wide))
-            dk = torch.einsum("bhts,bthd->bshd", ds, qw)
-            d_in, d_w = ctx.projection.backward(dk.to(k.dtype), dv.to(v.dtype), segment_inputs,
-                                                weights, ctx.options)
+            dq_j, dk, dv = pair_backward(q, k, v, o, lse, do, q_doc,
+                                         _doc_slice(kv_doc, start, end), start, keys, ctx.scale)
+            dq = dq + dq_j
+            d_in, d_w = ctx.projection.backward(dk, dv, segment_inputs, weights, ctx.options)
             d_inputs.append(d_in)
             d_weights = [total + grad for total, grad in zip(d_weights, d_w, strict=True)]
         grads_in = [torch.cat(parts, 1) for parts in zip(*d_inputs, strict=True)]
