@@ -37,8 +37,8 @@ def pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torch
     if _flash_eligible(q):
         return _flash_forward(q, k, v, q_doc, kv_doc, start, keys, scale)
     wide = torch.promote_types(q.dtype, torch.float32)
-    s = _scores(q.to(wide), k, _allowed(q_doc, kv_doc, q.shape[1], keys, start, k.shape[1]),
-                scale)
+    allowed = _allowed(q_doc, kv_doc, q.shape[1], keys, start, k.shape[1], q.device)
+    s = _scores(q.to(wide), k, allowed, scale)
     lse = torch.logsumexp(s, dim=-1)  # [B, H, T]
     p = torch.exp(s - finite(lse)[..., None])
     o = torch.einsum("bhts,bshd->bthd", p, v.to(wide))
@@ -55,7 +55,7 @@ def pair_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         return _flash_backward(q, k, v, o, lse, do, q_doc, kv_doc, start, keys, scale)
     wide = torch.promote_types(q.dtype, torch.float32)
     qw, dow = q.to(wide), do.to(wide)
-    allowed = _allowed(q_doc, kv_doc, q.shape[1], keys, start, k.shape[1])
+    allowed = _allowed(q_doc, kv_doc, q.shape[1], keys, start, k.shape[1], q.device)
     p = torch.exp(_scores(qw, k, allowed, scale) - finite(lse).transpose(1, 2)[..., None])
     delta = (dow * o.to(wide)).sum(-1).transpose(1, 2)  # [B, H, T]
     dv = torch.einsum("bhts,bthd->bshd", p, dow)
@@ -72,10 +72,9 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _allowed(q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None, queries: int, keys: int,
-             start: int, length: int) -> torch.Tensor:
+             start: int, length: int, device: torch.device) -> torch.Tensor:
     """[B or 1, T, length] bool: query row r (position keys - queries + r) may see key position
     start + c: earlier or itself, in its document."""
-    device = None if q_doc is None else q_doc.device
     query_pos = torch.arange(keys - queries, keys, device=device)
     key_pos = torch.arange(start, start + length, device=device)
     allowed = (key_pos[None, :] <= query_pos[:, None]).unsqueeze(0)
@@ -88,7 +87,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: floa
             ) -> torch.Tensor:
     """[B, H, T, s] scaled scores in q's (widened) dtype, -inf where not allowed."""
     s = torch.einsum("bthd,bshd->bhts", q, k.to(q.dtype)) * scale
-    return s.masked_fill(~allowed.to(s.device)[:, None], NEG_INF)
+    return s.masked_fill(~allowed[:, None], NEG_INF)
 
 
 def _flash_eligible(q: torch.Tensor) -> bool:
