@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tests.compile.backward_peak import backward_peak
+from tests.ops.test_key_segment_attention import fake_flash_backward, fake_flash_forward
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import token_chunks
@@ -22,6 +23,7 @@ from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.model.situ_glu import SiTUGLU
+from titan_moe.ops import segment_pair_attention as pair_module
 from titan_moe.parallel.context_parallel import apply_context_parallel
 
 # float64, relative to each tensor's largest magnitude (at least 1): seen 1.7e-15 (1.9e-13
@@ -252,3 +254,17 @@ def test_mla_backward_peak_grows_by_the_gradients_only():
     latent_rows = (args.kv_lora_rank + args.qk_rope_head_dim) / args.dim
     allowed = (1 + latent_rows + 0.5) * 4 * args.dim * 4 * segment  # 0.5 row: slack
     assert long - short <= allowed, (short, long, allowed)
+
+
+def test_mla_segments_through_the_flash_layout(monkeypatch):
+    """The MLA mixer by segments through the CUDA path's varlen layout (Flash's kernels replaced
+    by their per-sequence definition, tests/ops/test_key_segment_attention.py) still equals the
+    whole layer."""
+    monkeypatch.setattr(pair_module, "_flash_eligible", lambda q: True)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake_flash_backward)
+    whole, segmented = _twins(_mla)
+    x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(B, T, 32, dtype=torch.float64)
+    want = _step(whole, (x, _documents()), grad_out)
+    _assert_close(_step(segmented, (x, _documents()), grad_out), want, SEGMENT_TOL)

@@ -116,7 +116,7 @@ def _varlen_scores(q, k, cu_q, cu_k, causal, scale):
         yield rows_q, rows_k, s
 
 
-def _fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
+def fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
     """Flash's varlen forward as its docs define it, per sequence: out, lse [H, total_q]."""
     out, lse = torch.zeros_like(q), q.new_zeros(q.shape[1], q.shape[0])
     for rows_q, rows_k, s in _varlen_scores(q, k, cu_q, cu_k, causal, scale):
@@ -125,7 +125,7 @@ def _fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debu
     return out, lse, None, None, None
 
 
-def _fake_flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
+def fake_flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal,
                          rng, unused, *, scale):
     """Flash's varlen backward with the given out and lse, per sequence."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -149,8 +149,8 @@ def test_flash_layout_matches_whole_attention(monkeypatch, key_segment, queries,
     on CPU, Flash's kernels replaced by their per-sequence definition in float64; v (Dv = 5)
     padded to D = 8."""
     monkeypatch.setattr(pair_module, "_flash_eligible", lambda q: True)
-    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _fake_flash_forward)
-    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", _fake_flash_backward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake_flash_backward)
     doc = _documents(queries) if documents is True else None
     if documents == "fresh":
         doc = torch.zeros(B, S, dtype=torch.long)
