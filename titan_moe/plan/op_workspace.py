@@ -152,7 +152,7 @@ def mla_key_segment_backward_workspace(batch: int, queries: int, keys: int, key_
         with _every_row_through_flash(segment_pairs), tracker:
             grads = key_attention._KeySegmentAttention.backward(ctx, do)
             del grads
-    return tracker.peak + 4 * batch * min(queries, key_segment) * heads * qk
+    return tracker.peak + 4 * batch * queries * heads * qk
 
 
 class _Context:
