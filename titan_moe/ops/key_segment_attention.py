@@ -77,10 +77,10 @@ def key_segment_attention(
     key_segment: int,
     scale: float,
 ) -> torch.Tensor:
-    """softmax(q kᵀ scale + causal/document mask) v over keys projected per key segment of at
-    most key_segment positions from `inputs` (see the module docstring); q [B, T, H, D] are the
-    last T positions, q_doc [B, T] / kv_doc [B, S] their documents (None: one document).
-    Returns [B, T, H, Dv] in q's dtype."""
+    """softmax(q kᵀ scale + causal/document mask) v over keys projected per key segment from
+    `inputs` (see the module docstring): the queries' own T positions, and before them segments
+    of at most key_segment positions; q [B, T, H, D] are the last T positions, q_doc [B, T] /
+    kv_doc [B, S] their documents (None: one document). Returns [B, T, H, Dv] in q's dtype."""
     return _KeySegmentAttention.apply(q, q_doc, kv_doc, projection, options, key_segment,
                                       scale, len(inputs), *inputs, *weights)
 
