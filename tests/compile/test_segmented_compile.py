@@ -5,7 +5,8 @@ recompute.
 Compiled whole (one Inductor graph with a checkpoint HOP per segment), a KDA mixer's backward
 held several segments' recomputes at once: from 4 to 8 segments of 128 positions (d = 256,
 CPU, fp32) its peak grew by 18.7 rows of d a position, compiled per segment by 1 (the input
-gradient), and an MLA mixer's by 25.1 against 6.3 (the eager loop's: 1 and 8.9). Memory is
+gradient), and an MLA mixer's by 25.1 against 6.3 (the eager loop's: 1 and 8.9), 2.0 since its
+attention runs by key segments. Memory is
 read from the profiler's CPU allocation events (backward_peak.py); the KDA recurrence is the
 CPU reference (chunk_kda_torch), compiled inside the segment.
 """
@@ -24,11 +25,12 @@ from titan_moe.parallel.parallelize import apply_compile
 SEGMENT = 128
 # Rows of d an added position may add to the backward's peak. KDA: its input gradient (the
 # segment's and the concatenation's) and the incoming gradient, 3 (as for MoE chunks); measured
-# 1 by segments, 18.7 compiled whole. MLA: the last segment's queries attend to every key, so its
-# keys and values (up-projected from the latents over all positions, 2.5 rows), their
-# gradients, and CPU SDPA's mask and probabilities over the keys grow too: 10; measured 6.3
-# by segments (8.9 in the eager loop), 25.1 compiled whole.
-ROWS_PER_POSITION = {"kda": 3, "mla": 10}
+# 1 by segments, 18.7 compiled whole. MLA by key segments (ops/key_segment_attention.py): the
+# input gradient (1), the latents (kv_lora + rope = 128 channels, 0.5 row: recomputed by full
+# AC) and their gradient (0.5), with 1 row of slack: 3; measured 2.0. Up-projecting each
+# query segment's whole prefix (its keys, values, their gradients and CPU SDPA's mask over
+# them growing with the positions) measured 6.3, compiled whole 25.1.
+ROWS_PER_POSITION = {"kda": 3, "mla": 3}
 
 
 class FullAC(torch.nn.Module):

@@ -2,7 +2,8 @@
 mixer by query segments and the dense FFN by chunks of tokens, each under its own checkpoint,
 against the same sublayers run whole (the independent reference), in float64 on CPU: outputs
 and every gradient (input and parameters) agree to SEGMENT_TOL of the largest magnitude. The
-segmented model still traces with torch.compile(fullgraph=True) and matches eager."""
+segmented model still traces with torch.compile(fullgraph=True) and matches eager. MLA's
+backward peak grows with the positions by their gradients only (backward_peak.py)."""
 
 import dataclasses
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tests.compile.backward_peak import backward_peak
+from tests.ops.test_key_segment_attention import fake_flash_backward, fake_flash_forward
 from titan_moe.model import kda as kda_module
 from titan_moe.model import mla as mla_module
 from titan_moe.model import token_chunks
@@ -20,6 +23,7 @@ from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.model.situ_glu import SiTUGLU
+from titan_moe.ops import segment_pair_attention as pair_module
 from titan_moe.parallel.context_parallel import apply_context_parallel
 
 # float64, relative to each tensor's largest magnitude (at least 1): seen 1.7e-15 (1.9e-13
@@ -120,16 +124,23 @@ def test_mixer_segments_match_the_whole_layer(make, module, documents, monkeypat
     _assert_close(got, want, SEGMENT_TOL)
 
 
-def test_mla_segments_attend_to_their_causal_prefixes():
+def test_mla_segments_attend_by_key_segments(monkeypatch):
+    """Each query segment's keys are up-projected one key segment (at most SEG positions) at a
+    time: its own positions last, the earlier ones counted back from it."""
     _, segmented = _twins(_mla)
     shapes = []
-    attention = segmented.attention
-    segmented.attention = lambda q, k, *rest: (shapes.append((q.shape[1], k.shape[1]))
-                                               or attention(q, k, *rest))
+    project = mla_module.LatentKeys.project
+
+    def recorded(inputs, weights, options):
+        shapes.append(inputs[0].shape[1])
+        return project(inputs, weights, options)
+
+    monkeypatch.setattr(mla_module.LatentKeys, "project", staticmethod(recorded))
     x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
     segmented(x, _documents()).sum().backward()
-    # (queries, keys): forward, then each segment's recompute in backward, the last first.
-    assert shapes == [(64, 64), (64, 128), (32, 160), (32, 160), (64, 128), (64, 64)]
+    # Key segment lengths: forward, then each query segment's recompute and backward (its
+    # keys projected again), the last first.
+    assert shapes == [64, 64, 64, 64, 64, 32, *[64, 64, 32] * 2, *[64, 64] * 2, *[64] * 2]
 
 
 def test_mla_segments_keep_the_latent_prefix_seam():
@@ -225,3 +236,35 @@ def test_segmented_model_compiles_fullgraph_and_matches_eager():
     torch._dynamo.reset()  # no frame compiled by an earlier test in this process is reused
     got = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
     _assert_close(got, want, COMPILE_TOL)
+
+
+def test_mla_backward_peak_grows_by_the_gradients_only():
+    """By key segments, an MLA mixer's backward holds one key segment's keys and values: from 4
+    to 8 query segments of 128 (d = 256, fp32, eager) its peak grows by what every position
+    needs, the input's gradient (1 row of d) and the latents' (kv_lora + rope = 128 channels,
+    0.5): measured 1.5 rows a position. Up-projecting each query segment's whole prefix, the
+    last segment's keys, values, their gradients and the mask over them grew it by 8.9."""
+    segment = 128
+    args = TitanMoEArgs(vocab_size=64, dim=256, n_layers=2, mla_layers=(2,),
+                        n_dense_layers=1, n_experts=4, top_k=2, seq_segment=segment).validate()
+    torch.manual_seed(0)
+    mixer = GatedMLA(args)
+    mixer.init_weights(0.02, 0.02)
+    short, long = (backward_peak(mixer, n * segment, args.dim) for n in (4, 8))
+    latent_rows = (args.kv_lora_rank + args.qk_rope_head_dim) / args.dim
+    allowed = (1 + latent_rows + 0.5) * 4 * args.dim * 4 * segment  # 0.5 row: slack
+    assert long - short <= allowed, (short, long, allowed)
+
+
+def test_mla_segments_through_the_flash_layout(monkeypatch):
+    """The MLA mixer by segments through the CUDA path's varlen layout (Flash's kernels replaced
+    by their per-sequence definition, tests/ops/test_key_segment_attention.py) still equals the
+    whole layer."""
+    monkeypatch.setattr(pair_module, "_flash_eligible", lambda q: True)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake_flash_backward)
+    whole, segmented = _twins(_mla)
+    x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(B, T, 32, dtype=torch.float64)
+    want = _step(whole, (x, _documents()), grad_out)
+    _assert_close(_step(segmented, (x, _documents()), grad_out), want, SEGMENT_TOL)

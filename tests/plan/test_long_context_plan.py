@@ -141,13 +141,13 @@ def test_1m_stage_fits_on_the_layout_it_names_and_the_old_settings_did_not(capsy
     assert not estimate(replace(cfg, cp=1), best.gpus, 1).fits(141)
     assert not estimate(replace(cfg, loss_chunk=0), best.gpus, best.ep).fits(141)
     # Nor does one GPU with the MoE in token chunks and the layer inputs offloaded, with or
-    # without KDA and the dense FFN by segments (the comment's numbers): without, layer 0's
-    # recompute grows with T; with, the MLA layers' still does.
+    # without the mixers and the dense FFN by segments (the comment's numbers): without, layer
+    # 0's recompute grows with T; with (MLA by key segments too), the largest is a KDA layer's.
     for segment in (0, 65536):
         one = replace(cfg, cp=1, offload=True,
                       args=replace(cfg.args, moe_token_chunk=65536, seq_segment=segment))
         assert not estimate(one, 1, 1).fits(141)
-        assert largest_recompute(one)[0] == (15 if segment else 0)  # the last MLA layer; KDA
+        assert largest_recompute(one)[0] == (14 if segment else 0)  # KDA layers
     assert main(["--config", str(STAGES / "1m.toml"), "--gpus", str(best.gpus)]) == 0
     assert f"fewest GPUs: {best.gpus}" in capsys.readouterr().out
 
@@ -280,38 +280,36 @@ def test_seq_segment_pieces_replace_the_whole_sublayers_in_the_plan(tiny):
 
 def test_mla_segment_recompute_matches_a_real_backward(tiny, monkeypatch):
     # Layer 2 (MLA) over 2 rows of 192 positions: query segments of 64 against 64, 128 and 192
-    # keys.
+    # keys, by key segments of 64.
     args, b, t, segment = tiny.args, tiny.local_batch, 192, 64
     held = _piece_recomputes(replace(args, seq_segment=segment), 2, b, t, monkeypatch,
                              (mla_module,))[mla_module]
     # The latents [c_kv | k_rope] of all t positions, an input of every segment, count once an
-    # op inside views them (k_rope's unsqueeze). Forward and the full-AC recompute hold nothing
-    # else, then each segment's recompute in backward, the last (the most keys) first.
+    # op inside views them (the key segments' slices). Forward and the full-AC recompute hold
+    # nothing else, then each segment's recompute in backward, the last first: the same for
+    # every segment, however many keys (the attention keeps q, its output and lse, no key).
     latent_bytes = b * t * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
     assert len(held) == 9 and held[:6] == [latent_bytes] * 6
-    assert latent_bytes < held[8] < held[7] < held[6]
-    # Independent reference: what a saved-tensor hook sees the unsegmented layer save in an
-    # ordinary real forward of the last segment's queries, the keys' latents of all t positions
-    # given through the latent_prefix seam (as context parallelism gives a shard its causal
-    # prefix), and the one copy that makes a segment of 2 rows (a strided view) contiguous; to
-    # the byte.
-    mixer = _layer(args, 2).mixer
+    assert held[6] == held[7] == held[8] > latent_bytes
+    # Reference: what a saved-tensor hook sees the last segment's real forward save, the keys'
+    # latents of all t positions given, and the one copy that makes a segment of 2 rows (a
+    # strided view) contiguous; to the byte: the recompute holds nothing but its saves.
+    mixer = _layer(replace(args, seq_segment=segment), 2).mixer
     latent = torch.randn(b, t, mixer.kv_lora + mixer.rope, dtype=torch.bfloat16,
                          requires_grad=True)
-    mixer.latent_prefix = lambda _, doc_ids: (
-        *latent.split([mixer.kv_lora, mixer.rope], dim=-1), doc_ids)
+    c_kv, k_rope = latent.split([mixer.kv_lora, mixer.rope], dim=-1)
     x = torch.randn(b, segment, args.dim, dtype=torch.bfloat16, requires_grad=True)
     copy = b * segment * args.dim * 2
-    assert held[6] == saved_bytes(lambda: mixer(x),
-                                  list(mixer.parameters()) + [x, latent]).total + copy + \
-        latent_bytes
+    saves = saved_bytes(lambda: mixer._query_segment(x, None, c_kv, k_rope, None),
+                        list(mixer.parameters()) + [x, latent]).total
+    assert held[6] == saves + copy + latent_bytes
 
 
 def test_mla_segments_replace_the_whole_mixer_in_the_plan(tiny):
     """A hand count of the plan's MLA layer with segments: its saves unsegmented, less the whole
     mixer's, plus the latents [c_kv | k_rope] the segments' checkpoints save and the last
-    segment's recompute, which grows by a fixed cost a query and, at one segment of all t
-    positions, is the whole mixer's less the latents."""
+    segment's recompute, which grows by a fixed cost a query and not with the keys; its
+    attention's backward workspace grows with the keys by the latents' gradient only."""
     args, b, t, segment = tiny.args, tiny.local_batch, 192, 64
     whole = layer_activation_bytes(args, 2, b, t)
     got = layer_activation_bytes(replace(args, seq_segment=segment), 2, b, t)
@@ -319,7 +317,11 @@ def test_mla_segments_replace_the_whole_mixer_in_the_plan(tiny):
     mixer = mixer_segment_bytes(args, 2, b, t).total  # the whole mixer over t positions
     last = mla_segment_bytes(args, 2, b, segment, t)
     assert got.total == whole.total - mixer + latent + last.total
-    assert mla_segment_bytes(args, 2, b, t, t).total == mixer - latent
+    by_keys = [mla_segment_bytes(args, 2, b, segment, n) for n in (64, 192, 256, 320)]
+    assert len({piece.total for piece in by_keys}) == 1
+    key_gradient = b * segment * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    workspaces = [piece.workspace for piece in by_keys]
+    assert workspaces[3] - workspaces[2] == workspaces[2] - workspaces[1] == key_gradient
     by_queries = [mla_segment_bytes(args, 2, b, n, t).total for n in (64, 128, 192)]
     assert by_queries[2] - by_queries[1] == by_queries[1] - by_queries[0] > 0
 

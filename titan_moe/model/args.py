@@ -126,11 +126,11 @@ class TitanMoEArgs(BaseModelArgs):
     moe_token_chunk: int = 0
     # Long context: run each KDA mixer by segments of this many positions of each row (the
     # recurrent state and the conv taps carried from one to the next), each MLA mixer by query
-    # segments of this many positions (each against its causal prefix's keys, up-projected
-    # again per segment from the latents computed once) and each dense FFN by chunks of this
-    # many flattened tokens, every segment under its own activation checkpoint, so backward
-    # holds one segment's intermediates; 0: whole sequences. A multiple of the KDA chunk (64);
-    # no context parallelism (it replaces the mixers' sequence steps).
+    # segments of this many positions (each against its causal prefix by key segments of as
+    # many, up-projected per key segment from the latents computed once) and each dense FFN by
+    # chunks of this many flattened tokens, every segment under its own activation checkpoint,
+    # so backward holds one segment's intermediates; 0: whole sequences. A multiple of the KDA
+    # chunk (64); no context parallelism (it replaces the mixers' sequence steps).
     seq_segment: int = 0
 
     # Vision tower (spec §7): "none" (text only) or a VISION_FLAVORS name; the two patch

@@ -11,13 +11,15 @@ Packed documents are masked from each other through `doc_ids`.
 
 Long context (`seq_segment` > 0, training): the latents [c_kv | k_rope] are computed once for
 the whole sequence; then each query segment of seq_segment positions runs under its own
-non-reentrant checkpoint: its q, its causal prefix's keys and values up-projected from the
-prefix's latents (static shapes: the whole prefix), attention with the segment's queries the
-last of the prefix's keys, the gate and W_o. A backward (and a full-AC recompute around the
-layer) then holds one segment's q, gate and attention output and one prefix's k and v instead
-of all T positions'. The cost: each segment re-up-projects its whole prefix, about T / (2N)
-times the kv up-projection's FLOPs (and its recompute) in all. Outputs and gradients equal the
-whole layer's up to the order of sums.
+non-reentrant checkpoint: its q, attention over its causal prefix by key segments of
+seq_segment positions (ops/key_segment_attention.py: each key segment's keys and values
+up-projected from its latents inside the loop, ops/mla_latent_keys.py, the partial attentions
+merged by log-sum-exp, and the backward recomputing them one key segment at a time), the gate
+and W_o. A backward (and a full-AC recompute around the layer) then holds one segment's q,
+gate and attention output and one key segment's k and v, not a prefix's. The cost: each pair
+of segments re-up-projects its key segment, about T / (2N) times the kv up-projection's FLOPs
+in the forward, and again in the backward. Outputs and gradients equal the whole layer's up to
+the order of sums.
 
 Decoding (`cache`, an MLACache) keeps only [RMSNorm(c_kv) | k_rope] per token and attends in the
 absorbed form: with W_kvb = [W_uk; W_uv] per head, q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and
@@ -40,7 +42,9 @@ from torch.utils.checkpoint import checkpoint
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.norm import RMSNorm
 from titan_moe.ops.document_attention import document_causal_attention
+from titan_moe.ops.key_segment_attention import key_segment_attention
 from titan_moe.ops.mla_decode import mla_decode_attention
+from titan_moe.ops.mla_latent_keys import LatentKeys
 
 
 @dataclass
@@ -151,7 +155,7 @@ class GatedMLA(nn.Module):
         k_rope: torch.Tensor, kv_doc_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         """forward over query segments of seq_segment positions, each under its own checkpoint
-        against the keys of its causal prefix."""
+        against the keys of its causal prefix, by key segments."""
         # The keys may begin before x's first position (latent_prefix's causal prefix).
         offset = c_kv.shape[1] - x.shape[1]
         outputs, start = [], 0
@@ -161,10 +165,27 @@ class GatedMLA(nn.Module):
             docs = None if doc_ids is None else doc_ids[:, start:end]
             kv_docs = None if kv_doc_ids is None else kv_doc_ids[:, :keys]
             # The layer draws no random numbers: no RNG state to save and restore.
-            outputs.append(checkpoint(self._segment, xs, docs, c_kv[:, :keys], k_rope[:, :keys],
-                                      kv_docs, use_reentrant=False, preserve_rng_state=False))
+            outputs.append(checkpoint(self._query_segment, xs, docs, c_kv[:, :keys],
+                                      k_rope[:, :keys], kv_docs, use_reentrant=False,
+                                      preserve_rng_state=False))
             start = end
         return torch.cat(outputs, 1)
+
+    def _query_segment(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None, c_kv: torch.Tensor,
+        k_rope: torch.Tensor, kv_doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """_segment's result by key segments of seq_segment positions, each up-projected from
+        its latents inside the attention's loop (and again in its backward)."""
+        # A segment of rows > 1 is a strided view: one copy the projections share.
+        x = x.contiguous()
+        # The norm's eps, or F.rms_norm's default for None (its widened dtype's).
+        eps = self.kv_norm.eps or torch.finfo(torch.promote_types(c_kv.dtype, torch.float32)).eps
+        o = key_segment_attention(
+            self._queries(x), doc_ids, kv_doc_ids, (c_kv, k_rope),
+            (self.kv_norm.weight, self.w_kvb.weight), LatentKeys, (self.n_heads, self.nope, eps),
+            self.seq_segment, self.scale)
+        return self._output(x, o)
 
     def _segment(
         self, x: torch.Tensor, doc_ids: torch.Tensor | None, c_kv: torch.Tensor,
@@ -175,15 +196,25 @@ class GatedMLA(nn.Module):
         # A segment of rows > 1 is a strided view: one copy the projections share, where each
         # would copy it for its GEMM (and save its copy).
         x = x.contiguous()
-        b, t, _ = x.shape
+        b = x.shape[0]
         h = self.n_heads
-        q = self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, h, self.nope + self.rope)
+        q = self._queries(x)
         s = c_kv.shape[1]
         kv = self.w_kvb(self.kv_norm(c_kv)).view(b, s, h, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, s, h, self.rope)], dim=-1)
         o = self.attention(q, k, v, doc_ids, kv_doc_ids, self.scale)
-        return self.w_o(torch.sigmoid(self.w_g(x)) * o.reshape(b, t, h * self.v_dim))
+        return self._output(x, o)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B,T,d] (contiguous) -> q [B,T,h, nope + rope]."""
+        b, t, _ = x.shape
+        return self.w_qb(self.q_norm(self.w_qa(x))).view(b, t, self.n_heads, self.nope + self.rope)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The gate and W_o: x [B,T,d] and the attention's o [B,T,h,v] -> [B,T,d]."""
+        b, t, _ = x.shape
+        return self.w_o(torch.sigmoid(self.w_g(x)) * o.reshape(b, t, self.n_heads * self.v_dim))
 
     def latent_prefix(
         self, latent: torch.Tensor, doc_ids: torch.Tensor | None

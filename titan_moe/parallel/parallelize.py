@@ -224,7 +224,7 @@ def apply_compile(
     # of AttnResSite.forward; under fullgraph, passing dynamo's default limit (8) is an error.
     # A segmented mixer's _segment is one code object for every layer, each compiling up to
     # three variants: the first segment (no state or taps carried in), the later ones, and a
-    # shorter last one or, for MLA, the keys' length turned dynamic.
+    # shorter last one; MLA's _queries and _output two (a segment and a shorter last one).
     n_layers = len(model.layers)
     segmented = any(getattr(m, "seq_segment", 0) for m in model.modules()
                     if isinstance(m, (KimiDeltaAttention, GatedMLA)))
@@ -254,12 +254,18 @@ def _compile_around(
             # projection (one GEMM) eager before it. Compiled whole, a KDA mixer's backward held
             # several segments' recomputes at once: over 4 -> 8 segments of 128 (d = 256, CPU)
             # its peak grew by 18.7 fp32 rows of d a position, the eager loop's and this one's
-            # by 1; MLA's by 25.1 against 6.3 here (its last segment's keys grow with T). A KDA
-            # mixer over one segment or less runs whole, also compiled. MLA's segments differ in
-            # their keys' length: dynamo compiles the second one with that length dynamic.
+            # by 1; MLA's by 25.1 against 6.3 then (its last segment's keys grew with T). A
+            # KDA mixer over one segment or less runs whole, also compiled. An MLA mixer over
+            # one segment or less runs _segment, compiled; by segments, its attention by key
+            # segments (ops/key_segment_attention.py) stays eager, a loop over as many key
+            # segments as the prefix has, and the query and output projections around it are
+            # compiled, of static shapes.
             module._segment = compile_fn(module._segment)
             if isinstance(module, KimiDeltaAttention):
                 module._forward_whole = compile_fn(module._forward_whole)
+            else:
+                module._queries = compile_fn(module._queries)
+                module._output = compile_fn(module._output)
             return module
         return compile_fn(module)
     if module in units:

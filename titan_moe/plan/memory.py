@@ -31,9 +31,10 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  logits: 12 b t V; and the final site's: (B + 1) s (its sources' gradients)
                  + 4 b t d (its fp32 output's gradient) + 12 (B + 1) b t (its stats' gradient)
       layer bwd  a layer's transient is the larger of 2 × its largest saved tensor (an op's
-                 output and input gradients) and the KDA op's backward workspace (dO, the
-                 gradients, and its fp32 buffers, 5.1 kB a token and head at K = V = 128
-                 over one 64K segment: op_workspace.py). Without AC, the largest transient;
+                 output and input gradients) and an op's backward workspace (op_workspace.py):
+                 the KDA op's (dO, the gradients, and its fp32 buffers, 5.1 kB a token and
+                 head at K = V = 128 over one 64K segment) or MLA's attention by key segments'
+                 (below). Without AC, the largest transient;
                  with AC, the largest over layers of its recompute's saves + its transient,
                  + (B + 1) s (gradients of the residual sources) + the offloaded inputs brought
                  back (s + 4 b t); a sublayer run by checkpointed pieces saves their inputs
@@ -41,8 +42,10 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
                  piece's: a MoE chunk (titan_moe.moe_token_chunk = c), the MoE unchunked over
                  c tokens; a KDA segment (titan_moe.seq_segment = g), the mixer unsegmented
                  over g positions of each row (its op's workspace over g); an MLA query
-                 segment, the last: g queries against all t keys, up-projected from the
-                 latents; a dense-FFN chunk, the FFN over g tokens
+                 segment, the last: g queries against all t keys by key segments of g, each
+                 up-projected from the latents (saves q, out, lse; its backward's workspace:
+                 one key segment's keys, values and Flash buffers, and the latents' gradient
+                 over t, op_workspace.py); a dense-FFN chunk, the FFN over g tokens
     host         the offloaded bytes; fits: peak <= 90% of the GPU and host <= 90% of host RAM
     peak         parameters + optimizer + working + max(activations, gradients)
     bench        2 P weights + max(activations, 2 P gradients): bf16, one GPU, no optimizer
@@ -56,8 +59,9 @@ stand-ins for flash attention (q, k, v, out, fp32 logsumexp), the KDA op (its in
 torch._grouped_mm (its operands), and SiTU-GLU and RMSNorm as Inductor fuses them (inputs only).
 Approximate: the other eager elementwise saves inside the mixers and the router's fp32 input
 copy (Inductor may recompute them: the plan is high there), the backward's transient as twice
-the largest saved tensor or the KDA op's workspace (counted exactly, op_workspace.py; other ops'
-workspaces are not), MLA's gathered prefix under CP (not counted), allocator fragmentation
+the largest saved tensor or the KDA op's or MLA's key-segment attention's workspace (counted
+on meta, op_workspace.py, Flash's fp32 dq accumulator added by hand; other ops' workspaces are
+not), MLA's gathered prefix under CP (not counted), allocator fragmentation
 (in the 10% headroom).
 """
 
@@ -89,7 +93,11 @@ from titan_moe.ops.short_conv.short_conv_triton import short_conv_triton
 from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 from titan_moe.parallel.pipeline import boundary_tensors
-from titan_moe.plan.op_workspace import kda_backward_workspace, kda_kept_buffers
+from titan_moe.plan.op_workspace import (
+    kda_backward_workspace,
+    kda_kept_buffers,
+    mla_key_segment_backward_workspace,
+)
 
 GB = 1e9
 GIB = 2**30
@@ -293,6 +301,21 @@ def _kda_triton_op(q, k, v, g_raw, A_log, dt_bias, beta, g_min=-5.0, output_fina
     return _SavesForBackward.apply(v, q, k, v, g_raw, beta, A_log, dt_bias, *kept), final
 
 
+def _key_segment_attention(q, q_doc, kv_doc, inputs, weights, projection, options,
+                           key_segment, scale):
+    """MLA's attention by key segments: it saves q, its output and the fp32 lse (the latents
+    are the segment's inputs, the weights parameters); its backward's workspace counted."""
+    c_kv, k_rope = inputs
+    batch, queries, heads, qk = q.shape
+    v_dim = weights[1].shape[0] // heads - options[1]
+    _op_workspaces.append(mla_key_segment_backward_workspace(
+        batch, queries, c_kv.shape[1], key_segment, heads, qk, v_dim, c_kv.shape[-1],
+        k_rope.shape[-1]))
+    out = q.new_empty(batch, queries, heads, v_dim)
+    lse = q.new_empty(batch, queries, heads, dtype=torch.float32)
+    return _SavesForBackward.apply(out, q, out, lse)
+
+
 def _grouped_gemm(x, w, offs, zero_padding_rows=True):
     return torch._grouped_mm(x, w.to(x.dtype), offs=offs)
 
@@ -325,6 +348,7 @@ def _cuda_kernel_stand_ins() -> Iterator[None]:
     Inductor fuses them."""
     patches = [
         mock.patch.object(mla_module.F, "scaled_dot_product_attention", _flash_attention),
+        mock.patch.object(mla_module, "key_segment_attention", _key_segment_attention),
         # The layer binds its recurrence and conv at class level, so the stand-ins go there.
         mock.patch.object(kda_module.KimiDeltaAttention, "sequence_recurrence",
                           staticmethod(_kda_triton_op)),
@@ -419,16 +443,19 @@ def mixer_segment_bytes(args: TitanMoEArgs, layer_id: int, batch: int, segment: 
 
 def mla_segment_bytes(args: TitanMoEArgs, layer_id: int, batch: int, segment: int,
                       seq_len: int) -> Saved:
-    """What the largest MLA query segment's recompute saves (its inputs excluded): the last one,
-    `segment` queries of each row against the keys of all seq_len positions, up-projected from
-    their latents [c_kv | k_rope] (an input: computed once for the whole sequence)."""
+    """What the largest MLA query segment's recompute saves (its inputs excluded) and its
+    attention's backward workspace: the last one, `segment` queries of each row against the
+    keys of all seq_len positions by key segments of `segment`, each up-projected from its
+    latents [c_kv | k_rope] (an input: computed once for the whole sequence). Its saves do not
+    grow with seq_len; its workspace grows by the latents' gradient only."""
     mixer = _whole(args, layer_id).mixer
     x = _sources(args, 1, batch, segment)[0]
     latent = torch.empty(batch, seq_len, mixer.kv_lora + mixer.rope, device="meta",
                          dtype=mixer.w_kva.weight.dtype, requires_grad=True)
     c_kv, k_rope = latent.split([mixer.kv_lora, mixer.rope], dim=-1)
+    mixer.seq_segment = segment
     with _cuda_kernel_stand_ins():
-        return saved_bytes(lambda: mixer._segment(x, None, c_kv, k_rope, None),
+        return saved_bytes(lambda: mixer._query_segment(x, None, c_kv, k_rope, None),
                            list(mixer.parameters()) + [x, latent])
 
 

@@ -2,13 +2,14 @@
 launch skipped: the buffers are allocated exactly as on the GPU (on meta or CPU tensors) and no
 kernel runs.
 
-The memory plan needs this for the KDA op. On a sequence of one segment its forward keeps what
-the backward reads (chunk matrices and G in fp32; W, K_d, the chunk-entry states and V~ as bf16
-GEMM operands): 2,560 B a token and head at K = V = 128, saved with the layer's other tensors,
-where the layer's largest activation is 2 bytes a channel. Its backward frees those as it goes
-and adds the gradients' fp32 buffers, 2,860 B more at its peak (tile_products_bwd's launch);
-by segments (chunk_triton.SEGMENT tokens) the forward keeps nothing and the backward
-recomputes each segment's, 5,420 B over a segment at its peak.
+The memory plan needs this for MLA's attention by key segments (its backward's Flash path on
+meta, mla_key_segment_backward_workspace) and for the KDA op. On a sequence of one segment the
+KDA forward keeps what the backward reads (chunk matrices and G in fp32; W, K_d, the chunk-entry
+states and V~ as bf16 GEMM operands): 2,560 B a token and head at K = V = 128, saved with the
+layer's other tensors, where the layer's largest activation is 2 bytes a channel. Its backward
+frees those as it goes and adds the gradients' fp32 buffers, 2,860 B more at its peak
+(tile_products_bwd's launch); by segments (chunk_triton.SEGMENT tokens) the forward keeps
+nothing and the backward recomputes each segment's, 5,420 B over a segment at its peak.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
 """
 
@@ -149,3 +150,72 @@ def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: 
         grads = chunk_triton._backward(ctx, do, None)
         del do, grads
     return tracker.peak - kept_bytes
+
+
+@functools.cache
+def mla_key_segment_backward_workspace(batch: int, queries: int, keys: int, key_segment: int,
+                                       heads: int, qk: int, v_dim: int, kv_lora: int,
+                                       rope: int) -> int:
+    """Peak bytes MLA's attention by key segments (ops/key_segment_attention.py, its latent
+    projection and Flash's path, bf16) holds in its backward besides its saved tensors and dO:
+    the fp32 dq, one key segment's up-projection, its rows as Flash takes them (v, o and dO
+    padded to qk, q and k gathered: every row taking part), Flash's gradients and their scatter,
+    the projection's backward, and the latents' gradient growing over the keys (then joined).
+    Its body runs on meta with Flash's meta kernels; Flash's own fp32 dq accumulator (4 bytes a
+    query, head and qk channel), invisible there, is added."""
+    segment_pairs = importlib.import_module("titan_moe.ops.segment_pair_attention")
+    key_attention = importlib.import_module("titan_moe.ops.key_segment_attention")
+    latent_keys = importlib.import_module("titan_moe.ops.mla_latent_keys")
+    nope = qk - rope
+    with torch.device("meta"):
+        q = torch.empty(batch, queries, heads, qk, dtype=torch.bfloat16)
+        o = torch.empty(batch, queries, heads, v_dim, dtype=torch.bfloat16)
+        do = torch.empty_like(o)
+        lse = torch.empty(batch, queries, heads, dtype=torch.float32)
+        c_kv = torch.empty(batch, keys, kv_lora, dtype=torch.bfloat16)
+        k_rope = torch.empty(batch, keys, rope, dtype=torch.bfloat16)
+        norm = torch.empty(kv_lora, dtype=torch.float32)
+        w_kvb = torch.empty(heads * (nope + v_dim), kv_lora, dtype=torch.bfloat16)
+        ctx = _Context(saved_tensors=(q, None, None, o, lse, c_kv, k_rope, norm, w_kvb),
+                       projection=latent_keys.LatentKeys, options=(heads, nope, 1e-6),
+                       key_segment=key_segment, scale=qk**-0.5, n_inputs=2)
+        tracker = LiveBytes(ignore=(q, o, do, lse, c_kv, k_rope, norm, w_kvb))
+        with _every_row_through_flash(segment_pairs), tracker:
+            grads = key_attention._KeySegmentAttention.backward(ctx, do)
+            del grads
+    return tracker.peak + 4 * batch * queries * heads * qk
+
+
+class _Context:
+    def __init__(self, **fields) -> None:
+        self.__dict__.update(fields)
+
+
+@contextlib.contextmanager
+def _every_row_through_flash(segment_pairs) -> Iterator[None]:
+    """Flash's path on meta: every row of every pair takes part, gathered as a copy off the
+    diagonal (the layout's boolean masks would read the host)."""
+    class Layout:
+        def __init__(self, q_doc, kv_doc, batch, queries, length, diagonal, device):
+            self.causal, self.empty = diagonal, False
+            self.q_rows = self.k_rows = None
+            self.cu_q = self.cu_k = torch.empty(batch + 1, dtype=torch.int32)
+            self.max_q, self.max_k = queries, length
+
+        def rows(self, x, mask):
+            rows = x.flatten(0, 1)
+            return rows if self.causal else rows.clone()
+
+        def scatter(self, rows, mask, shape, fill, dtype):
+            if self.causal:  # all rows in order: the real layout's view (a cast at most)
+                return rows.to(dtype).view(shape)
+            out = torch.full(shape, fill, dtype=dtype)
+            out.view(-1, *shape[2:]).copy_(rows)
+            return out
+
+    original = (segment_pairs._Layout, segment_pairs._flash_eligible)
+    segment_pairs._Layout, segment_pairs._flash_eligible = Layout, lambda q: True
+    try:
+        yield
+    finally:
+        segment_pairs._Layout, segment_pairs._flash_eligible = original
