@@ -50,7 +50,7 @@ SEGMENT_CASES = {
 }
 SEGMENT_VS_WHOLE_RTOL = 1e-6  # the same kernels, the state handed over in fp32
 # The same op on bf16 q, k, v, g, beta (fp32 initial and final states, the chunk-entry states
-# stored in bf16): name -> case as above.
+# and their gradients stored in bf16): name -> case as above.
 BF16_CASES = {
     "bf16-T200-random": (1, 200, 2, 64, 64, "random", None, True),
     "bf16-T130-pinned": (1, 130, 1, 64, 32, "pinned", None, True),

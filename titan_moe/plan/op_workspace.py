@@ -7,8 +7,9 @@ meta, mla_key_segment_backward_workspace) and for the KDA op. On a sequence of o
 KDA forward keeps what the backward reads (chunk matrices and G in fp32; W, K_d, the chunk-entry
 states and V~ as bf16 GEMM operands): 2,560 B a token and head at K = V = 128, saved with the
 layer's other tensors, where the layer's largest activation is 2 bytes a channel. Its backward
-frees those as it goes and adds the gradients' fp32 buffers, 2,860 B more at its peak
-(tile_products_bwd's launch); by segments (chunk_triton.SEGMENT tokens) the forward keeps
+frees those as it goes and adds the gradients' buffers (fp32, but the state gradients bf16 and
+freed with the states, before the peak), 2,860 B more at its peak (tile_products_bwd's
+launch); by segments (chunk_triton.SEGMENT tokens) the forward keeps
 nothing and the backward recomputes each segment's, 5,420 B over a segment at its peak.
 `bench/kda_memory.py` uses the same count for its peak-memory predictions.
 """

@@ -84,7 +84,8 @@ def chunk_output_bwd_kernel(
         dv_new[c]    = A_qk^T dO           (the part of dV~ that does not go through dS)
     Neither depends on the state gradient, so the scan (state_scan_bwd_kernel) only adds its
     recurrent terms to them, and its serial chain per chunk is two GEMMs, not four. One program
-    a chunk and batch*head, V by BV columns, as chunk_output_kernel."""
+    a chunk and batch*head, V by BV columns, as chunk_output_kernel. dh_states in the operand
+    dtype (rounded to nearest: state_scan.py says what bf16 costs), dv_new fp32."""
     scale = tl.cast(scale, tl.float32)  # an fp64 scalar under Inductor, see chunk_output_kernel
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -105,6 +106,7 @@ def chunk_output_bwd_kernel(
         do_offs = ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
         do_c = tl.load(do + do_offs, mask=valid[:, None] & v_ok[None, :], other=0.0)
         tl.store(dh_states + state_base + cols_k[:, None] * V + cols_v[None, :],
-                 mma(q_g_t, do_c, OPERAND), mask=k_ok[:, None] & v_ok[None, :])
+                 rounded_to(mma(q_g_t, do_c, OPERAND), dh_states.dtype.element_ty),
+                 mask=k_ok[:, None] & v_ok[None, :])
         v_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
         tl.store(dv_new + v_offs, mma(A_t, do_c, OPERAND), mask=v_ok[None, :])

@@ -288,14 +288,18 @@ def chunk_kda_fwd(
 
 
 def _state_grads(q, G, A_qk, K_d, W, doc, do, d_final, initial_state, scale):
-    """chunk_output_bwd, then the reverse scan: (dh_states fp32, dV~ fp32, d initial_state or
-    None)."""
+    """chunk_output_bwd, then the reverse scan: (dh_states in the scans' operand dtype, dV~
+    fp32, d initial_state or None)."""
     batch, seq_len, heads, d_k = q.shape
     d_v = do.shape[-1]
     n_chunks = triton.cdiv(seq_len, CHUNK)
     block_k, block_v, _ = _blocks(d_k, d_v)
     f32 = dict(device=q.device, dtype=torch.float32)
-    dh_states = torch.empty(batch, n_chunks, heads, d_k, d_v, **f32)
+    # The state gradients are stored in the scans' operand dtype (bf16 for bf16 inputs: 512 B a
+    # token and head at K = V = 128, fp32's 1,024, on each of four passes: chunk_output_bwd's
+    # write, the scan's read and rewrite, the state terms' read); state_scan.py says what that
+    # costs. dV~ stays fp32.
+    dh_states = torch.empty(batch, n_chunks, heads, d_k, d_v, device=q.device, dtype=W.dtype)
     dv_new = torch.empty(batch, G.shape[1], heads, d_v, **f32)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     wrap_triton(chunk_output_bwd_kernel)[(n_chunks, batch * heads)](
@@ -469,8 +473,9 @@ def chunk_kda_bwd_states(
     initial_state: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The kept backward's first ops, the last readers of A_qk, K_d and W: (dh_states, dV~,
-    d initial_state, all fp32; the last empty without initial_state)."""
+    """The kept backward's first ops, the last readers of A_qk, K_d and W: (dh_states in the
+    scans' operand dtype, dV~ and d initial_state fp32, the last empty without
+    initial_state)."""
     dh_states, dv_new, d_initial = _state_grads(q, G, A_qk, K_d, W, doc, do, d_final,
                                                 initial_state, scale)
     if d_initial is None:

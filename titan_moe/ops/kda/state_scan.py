@@ -35,9 +35,19 @@ but for the state terms' d gamma_C = sum_v S * dS (fp32 products): only d g (and
 gate's d A_log, d dt_bias) change, through gamma_C, which matters where the gate is near zero.
 Measured under the interpreter (2026-12-05, bench/RESULTS.md): d g at a near-zero gate 4.9e-3
 -> 5.1e-3 (d 64, 333 tokens) and 4.7e-3 -> 4.9e-3 (d 128, 500 tokens) of the 2e-2 bound, the
-output, final state and every other gradient bit for bit as with fp32 states. The state
-gradients (dh_states) stay fp32: they carry chunk_output_bwd_kernel's terms into the reverse
-scan's fp32 sum.
+output, final state and every other gradient bit for bit as with fp32 states.
+
+The state gradients (dh_states, the same shape) are stored in the operand dtype too, rounded to
+nearest, as fla stores its dh: chunk_output_bwd_kernel writes each chunk's local part
+(Gamma * Q)^T dO there, the reverse scan adds it to its running dS (fp32 registers) and stores
+that chunk's dS in its place, state_terms_bwd_kernel reads dS as GEMM operands and in
+d gamma_C. Unlike the states, the local part is rounded before the scan's fp32 add, so every
+gradient downstream of the scan moves, not only d g (fla adds q^T dO inside its scan, exact).
+Measured under the interpreter (2026-12-05, bench/RESULTS.md), fp32 -> bf16: d initial_state
+grows most, by up to a third (2.5e-3 -> 3.3e-3), the chunks' rounded local parts summed; d beta
+at a near-zero gate 4.8e-3 -> 5.25e-3, the worst that changes, 3.8x inside the 2e-2 bound; the
+output, final state and d q bit for bit. Keeping the local part exact would take a second fp32
+buffer (more bytes than fp32 dh_states) or its GEMM and its q, G, dO loads in the scan's loop.
 """
 
 import triton
@@ -150,10 +160,10 @@ def scan_bwd_chunk(dS, c, K_d, G, W, doc, dh_states, dv_new, b, h, T, Tp, n_chun
         K_d, G, W, doc, b, h, t0, T, Tp, rows, cols_k, H, K, C, HAS_DOCS
     )
     state_addr = dh_states + ((b * n_chunks + c) * H + h).to(tl.int64) * K * V + state_offs
-    dS_out = tl.load(state_addr, mask=state_ok, other=0.0)
+    dS_out = tl.load(state_addr, mask=state_ok, other=0.0).to(tl.float32)
     v_addr = dv_new + ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
     dv_out = tl.load(v_addr, mask=v_ok[None, :], other=0.0)
-    tl.store(state_addr, dS, mask=state_ok)
+    tl.store(state_addr, rounded_to(dS, dh_states.dtype.element_ty), mask=state_ok)
     dv_c = dv_out + mma(k_d, dS, OPERAND)
     tl.store(v_addr, dv_c, mask=v_ok[None, :])
     dv_cont = tl.where(cont[:, None], dv_c, 0.0)
@@ -168,8 +178,9 @@ def state_scan_bwd_kernel(
     STORE_D_INITIAL: tl.constexpr, OPERAND: tl.constexpr, INTERPRETED: tl.constexpr,
     STAGES: tl.constexpr,
 ):  # fmt: skip
-    """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next), dv_new [B,Tp,H,V], dS_0; both
-    buffers hold chunk_output_bwd_kernel's terms on entry."""
+    """dh_states [B,NC,H,K,V] (gradient of each chunk's S_next, the operand dtype), dv_new
+    [B,Tp,H,V] fp32, dS_0 fp32; both buffers hold chunk_output_bwd_kernel's terms on entry. The
+    running dS stays fp32 in registers; each chunk's is stored rounded to nearest."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     n_chunks = tl.cdiv(T, C)
@@ -211,8 +222,8 @@ def state_terms_bwd_kernel(
     With S entering the chunk (h) and dS the gradient of the state leaving it (dh):
         d(Gamma Q) = dO S^T,  dW = -dV~ S^T   (rows continuing from the previous chunk)
         dK_d = V~ dS^T,       d gamma_C = sum_v S * dS
-    d_qg, d_w, d_kd [B,Tp,H,K] and d_gamma [B,NC,H,K], fp32; S as stored (the operand dtype),
-    dS fp32.
+    d_qg, d_w, d_kd [B,Tp,H,K] and d_gamma [B,NC,H,K], fp32; S and dS as stored (the operand
+    dtype).
 
     The K blocks of a chunk are the grid's first axis, so they run side by side: each reads the
     chunk's whole dO, V~ and dV~, and the K blocks after the first find them in L2. With the
@@ -238,9 +249,9 @@ def state_terms_bwd_kernel(
         v_ok = cols_v < V
         s_offs = state_base + cols_k[:, None] * V + cols_v[None, :]
         s_ok = k_ok[:, None] & v_ok[None, :]
-        # fp32 for d gamma_C's products (the states may be stored in bf16)
+        # fp32 for d gamma_C's products (the states and their gradients may be stored in bf16)
         S = tl.load(h_states + s_offs, mask=s_ok, other=0.0).to(tl.float32)
-        dS = tl.load(dh_states + s_offs, mask=s_ok, other=0.0)
+        dS = tl.load(dh_states + s_offs, mask=s_ok, other=0.0).to(tl.float32)
         do_c = tl.load(do + ((b * T + t0 + rows) * H + h)[:, None] * V + cols_v[None, :],
                        mask=valid[:, None] & v_ok[None, :], other=0.0)
         pad_offs = ((b * Tp + t0 + rows) * H + h)[:, None] * V + cols_v[None, :]
