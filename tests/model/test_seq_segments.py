@@ -260,7 +260,7 @@ def test_mla_segments_through_the_flash_layout(monkeypatch):
     """The MLA mixer by segments through the CUDA path's varlen layout (Flash's kernels replaced
     by their per-sequence definition, tests/ops/test_key_segment_attention.py) still equals the
     whole layer."""
-    monkeypatch.setattr(pair_module, "_flash_eligible", lambda q: True)
+    monkeypatch.setattr(pair_module, "flash_eligible", lambda q: True)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_forward)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake_flash_backward)
     whole, segmented = _twins(_mla)

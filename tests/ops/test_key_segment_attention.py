@@ -148,7 +148,7 @@ def test_flash_layout_matches_whole_attention(monkeypatch, key_segment, queries,
     the scatter back, the merged out and lse into the backward, a pair no row takes part in)
     on CPU, Flash's kernels replaced by their per-sequence definition in float64; v (Dv = 5)
     padded to D = 8."""
-    monkeypatch.setattr(pair_module, "_flash_eligible", lambda q: True)
+    monkeypatch.setattr(pair_module, "flash_eligible", lambda q: True)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_forward)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", fake_flash_backward)
     doc = _documents(queries) if documents is True else None

@@ -12,17 +12,27 @@ import torch.nn.functional as F
 from titan_moe.ops.static_documents import cu_seqlens_from_starts, sequence_starts
 
 
-def document_causal_mask(q_doc: torch.Tensor, kv_doc: torch.Tensor | None = None) -> torch.Tensor:
+def document_causal_mask(q_doc: torch.Tensor, kv_doc: torch.Tensor | None = None,
+                         query_start: int | None = None) -> torch.Tensor:
     """[B, L] / [B, S] document index per query / key -> [B, 1, L, S] bool, True where allowed.
 
-    The queries are the last L of the S keys (causal alignment at the bottom right), so a
-    context-parallel shard attending to its causal prefix uses the same mask as L == S.
+    query_start: the first query's position counted from the first key. By default S - L: the
+    queries are the last L of the S keys (causal alignment at the bottom right), so a
+    context-parallel shard attending to its causal prefix uses the same mask as L == S; a key
+    segment of a longer prefix passes its own.
     """
     kv_doc = q_doc if kv_doc is None else kv_doc
     length, keys = q_doc.shape[-1], kv_doc.shape[-1]
-    causal = torch.ones(length, keys, dtype=torch.bool, device=q_doc.device).tril(keys - length)
+    query_start = keys - length if query_start is None else query_start
+    causal = torch.ones(length, keys, dtype=torch.bool, device=q_doc.device).tril(query_start)
     same_doc = q_doc.unsqueeze(-1) == kv_doc.unsqueeze(-2)
     return (same_doc & causal).unsqueeze(1)
+
+
+def flash_eligible(q: torch.Tensor) -> bool:
+    """Whether Flash Attention's kernels take these queries: CUDA, half precision, head dim
+    <= 256."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
 def document_causal_attention(
@@ -48,7 +58,7 @@ def document_causal_attention(
     if q_doc is None:
         q_doc = q.new_zeros(q.shape[:2], dtype=torch.long)
         kv_doc = k.new_zeros(k.shape[:2], dtype=torch.long)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+    if flash_eligible(q):
         if static_layout and q.shape[1] == k.shape[1]:
             return static_varlen_document_attention(q, k, v, q_doc, scale)
         return varlen_document_attention(q, k, v, q_doc, kv_doc, scale)

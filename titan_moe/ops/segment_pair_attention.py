@@ -25,6 +25,7 @@ Elsewhere the plain-PyTorch path materialises the [B, H, T, s] scores under the 
 import torch
 import torch.nn.functional as F
 
+from titan_moe.ops.document_attention import document_causal_mask, flash_eligible
 from titan_moe.ops.static_documents import cu_seqlens_from_starts, sequence_starts
 
 NEG_INF = float("-inf")
@@ -34,10 +35,10 @@ def pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torch
                  kv_doc: torch.Tensor | None, start: int, keys: int, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_j [B, T, H, Dv], lse_j [B, T, H]) of q over the key segment k, v at `start`."""
-    if _flash_eligible(q):
+    if flash_eligible(q):
         return _flash_forward(q, k, v, q_doc, kv_doc, start, keys, scale)
     wide = torch.promote_types(q.dtype, torch.float32)
-    allowed = _allowed(q_doc, kv_doc, q.shape[1], keys, start, k.shape[1], q.device)
+    allowed = _allowed(q, k, q_doc, kv_doc, start, keys)
     s = _scores(q.to(wide), k, allowed, scale)
     lse = torch.logsumexp(s, dim=-1)  # [B, H, T]
     p = torch.exp(s - finite(lse)[..., None])
@@ -51,11 +52,11 @@ def pair_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the key segment's share, o [B, T, H, Dv] (q's dtype) and lse [B, T, H]
     the merged ones."""
-    if _flash_eligible(q):
+    if flash_eligible(q):
         return _flash_backward(q, k, v, o, lse, do, q_doc, kv_doc, start, keys, scale)
     wide = torch.promote_types(q.dtype, torch.float32)
     qw, dow = q.to(wide), do.to(wide)
-    allowed = _allowed(q_doc, kv_doc, q.shape[1], keys, start, k.shape[1], q.device)
+    allowed = _allowed(q, k, q_doc, kv_doc, start, keys)
     p = torch.exp(_scores(qw, k, allowed, scale) - finite(lse).transpose(1, 2)[..., None])
     delta = (dow * o.to(wide)).sum(-1).transpose(1, 2)  # [B, H, T]
     dv = torch.einsum("bhts,bthd->bshd", p, dow)
@@ -71,27 +72,21 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == NEG_INF, 0.0)
 
 
-def _allowed(q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None, queries: int, keys: int,
-             start: int, length: int, device: torch.device) -> torch.Tensor:
-    """[B or 1, T, length] bool: query row r (position keys - queries + r) may see key position
-    start + c: earlier or itself, in its document."""
-    query_pos = torch.arange(keys - queries, keys, device=device)
-    key_pos = torch.arange(start, start + length, device=device)
-    allowed = (key_pos[None, :] <= query_pos[:, None]).unsqueeze(0)
-    if q_doc is None:
-        return allowed
-    return allowed & (q_doc[:, :, None] == kv_doc[:, None, :])
+def _allowed(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor | None,
+             kv_doc: torch.Tensor | None, start: int, keys: int) -> torch.Tensor:
+    """[B, 1, T, s] bool: query row r (position keys - T + r) may see key position start + c:
+    earlier or itself, in its document."""
+    if q_doc is None:  # one document a row
+        q_doc = q.new_zeros(q.shape[:2], dtype=torch.long)
+        kv_doc = k.new_zeros(k.shape[:2], dtype=torch.long)
+    return document_causal_mask(q_doc, kv_doc, query_start=keys - q.shape[1] - start)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float
             ) -> torch.Tensor:
     """[B, H, T, s] scaled scores in q's (widened) dtype, -inf where not allowed."""
     s = torch.einsum("bthd,bshd->bhts", q, k.to(q.dtype)) * scale
-    return s.masked_fill(~allowed[:, None], NEG_INF)
-
-
-def _flash_eligible(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+    return s.masked_fill(~allowed, NEG_INF)
 
 
 class _Layout:

@@ -214,9 +214,9 @@ def _every_row_through_flash(segment_pairs) -> Iterator[None]:
             out.view(-1, *shape[2:]).copy_(rows)
             return out
 
-    original = (segment_pairs._Layout, segment_pairs._flash_eligible)
-    segment_pairs._Layout, segment_pairs._flash_eligible = Layout, lambda q: True
+    original = (segment_pairs._Layout, segment_pairs.flash_eligible)
+    segment_pairs._Layout, segment_pairs.flash_eligible = Layout, lambda q: True
     try:
         yield
     finally:
-        segment_pairs._Layout, segment_pairs._flash_eligible = original
+        segment_pairs._Layout, segment_pairs.flash_eligible = original
