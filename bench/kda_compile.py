@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import triton
@@ -29,7 +28,7 @@ from triton_static import recorded_launches, resource_usage, source
 
 from titan_moe.cli_args import positive
 from titan_moe.ops.kda import chunk_triton
-from titan_moe.plan.op_workspace import kda_backward_bodies
+from titan_moe.plan.op_workspace import kda_backward
 
 
 def forward_backward(inputs: tuple, d: int) -> None:
@@ -37,9 +36,7 @@ def forward_backward(inputs: tuple, d: int) -> None:
     its buffers for the backward, chunk_triton._backward): inputs are (q, k, v, g, beta, doc,
     A_log, dt_bias, initial_state)."""
     _, _, *kept = chunk_triton.chunk_kda_fwd._init_fn(*inputs, d**-0.5, -5.0, False, True)
-    ctx = SimpleNamespace(saved_tensors=inputs, kept=kept, scale=d**-0.5, g_min=-5.0)
-    with kda_backward_bodies():
-        chunk_triton._backward(ctx, torch.zeros_like(inputs[2]), None)
+    kda_backward(inputs, kept, torch.zeros_like(inputs[2]), d**-0.5)
 
 
 def record_launches(batch: int, seq_len: int, heads: int, d: int, dtype: torch.dtype,

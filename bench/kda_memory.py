@@ -23,7 +23,6 @@ import contextlib
 import importlib.util
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import triton.runtime.autotuner
@@ -34,7 +33,7 @@ from report import write_json
 from titan_moe.plan.op_workspace import (
     LiveBytes,
     chunk_triton,
-    kda_backward_bodies,
+    kda_backward,
     kda_launches_skipped,
 )
 
@@ -70,17 +69,15 @@ class OursWithBodies(torch.autograd.Function):
         o, _, *kept = chunk_triton.chunk_kda_fwd._init_fn(
             q, k, v, g, beta, None, A_log, dt_bias, None, ctx.scale, G_MIN, False, True)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias)
-        ctx.kept = list(kept) if kept[0].numel() else None  # as chunk_triton._setup_context
+        ctx.kept = list(kept)  # handed to the backward, as chunk_triton._setup_context does
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, g, beta, A_log, dt_bias = ctx.saved_tensors
-        saved = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None),
-                                kept=ctx.kept, scale=ctx.scale, g_min=G_MIN)
-        ctx.kept = None
-        with kda_backward_bodies():
-            grads = chunk_triton._backward(saved, do, None)
+        kept, ctx.kept = ctx.kept, None
+        grads = kda_backward((q, k, v, g, beta, None, A_log, dt_bias, None), kept, do,
+                             ctx.scale, G_MIN)
         dq, dk, dv, dg, dbeta, _, dA_log, d_dt_bias = grads[:8]
         return dq, dk, dv, dg, dbeta, dA_log, d_dt_bias
 

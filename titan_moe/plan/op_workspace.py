@@ -107,6 +107,18 @@ def kda_backward_bodies() -> Iterator[None]:
             setattr(chunk_triton, name, op)
 
 
+def kda_backward(saved: tuple, kept: list[torch.Tensor] | None, do: torch.Tensor, scale: float,
+                 g_min: float = -5.0) -> tuple:
+    """`chunk_triton._backward` as autograd runs it after the forward saved `saved` (q, k, v,
+    g, beta, doc, A_log, dt_bias, initial_state) and kept `kept` (the forward's outputs after
+    o and the final state, emptied as the backward frees each; none or empty ones: recomputed),
+    with the backward ops' Python bodies called directly (kda_backward_bodies)."""
+    kept = kept if kept and kept[0].numel() else None
+    ctx = SimpleNamespace(saved_tensors=saved, kept=kept, scale=scale, g_min=g_min)
+    with kda_backward_bodies():
+        return chunk_triton._backward(ctx, do, None)
+
+
 def _kda_inputs(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
                 fused_gate: bool) -> tuple:
     """(q, k, v, g, beta, A_log, dt_bias) on meta, bf16 as in training."""
@@ -141,14 +153,12 @@ def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: 
     (bf16 inputs, as in training). It runs as autograd runs it (chunk_triton._backward)."""
     q, k, v, g, beta, A_log, dt_bias = _kda_inputs(batch, seq_len, heads, d_k, d_v, fused_gate)
     tracker = LiveBytes(ignore=(q, k, v, g, beta, A_log, dt_bias))
-    with kda_launches_skipped(), kda_backward_bodies(), tracker:
+    with kda_launches_skipped(), tracker:
         kept = list(kda_kept_buffers(batch, seq_len, heads, d_k, d_v))
         tracker.peak = kept_bytes = tracker.now  # the kept buffers alone: the forward has run
-        ctx = SimpleNamespace(saved_tensors=(q, k, v, g, beta, None, A_log, dt_bias, None),
-                              kept=kept or None, scale=d_k**-0.5, g_min=-5.0)
-        del kept
         do = torch.empty_like(v)
-        grads = chunk_triton._backward(ctx, do, None)
+        grads = kda_backward((q, k, v, g, beta, None, A_log, dt_bias, None), kept, do,
+                             d_k**-0.5)
         del do, grads
     return tracker.peak - kept_bytes
 
