@@ -553,6 +553,10 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, g, beta, doc, A_log, dt_bias, initial_state, scale, g_min, _, _ = inputs
     kept = output[2:]
     ctx.mark_non_differentiable(*kept)
+    # Autograd would otherwise hand the backward a zero gradient for every output without one,
+    # the kept buffers included (marked non-differentiable or not): as many bytes as they hold,
+    # filled, at the backward's start (2,560 B a token and head, 2.5 GiB at 64K x 16 heads).
+    ctx.set_materialize_grads(False)
     kept = list(kept) if kept[0].numel() else []
     # Saved-tensor hooks (activation checkpointing, offloading) act on saved tensors only: under
     # them the kept buffers are saved, so a checkpoint drops them until its recompute. Otherwise
@@ -566,11 +570,13 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.scale, ctx.g_min = scale, g_min
 
 
-def _backward(ctx, do: Tensor, d_final: Tensor | None, *_kept_grads):
+def _backward(ctx, do: Tensor | None, d_final: Tensor | None, *_kept_grads):
     q, k, v, g, beta, doc, A_log, dt_bias, initial_state, *saved = ctx.saved_tensors
     kept, ctx.kept = ctx.kept or saved or None, None
     if d_final is not None and d_final.numel() == 0:
         d_final = None
+    if do is None:  # only the final state reaches the loss
+        do = q.new_zeros(*q.shape[:3], v.shape[-1])
     args = (q, k, v, g, beta, doc, A_log, dt_bias, initial_state, do.contiguous(),
             None if d_final is None else d_final.contiguous(), ctx.scale, ctx.g_min)
     if kept is None:
