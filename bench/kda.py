@@ -9,7 +9,9 @@ kernels (ours: `chunk_kda_fused_gate`; fla: `use_gate_in_kernel=True`). It repor
 Kimi Linear's count per head, 6TD² + 3TCD + TC² for the forward (C = 64), tripled for
 forward+backward; GB/s of the compulsory traffic (inputs read once, outputs written once) and
 that as a share of the measured device-copy bandwidth (the roofline); the speed-up over fla;
-the peak memory of forward+backward. --doc-len N splits every row into documents of N tokens,
+the peak memory of forward+backward. The gradients are returned (torch.autograd.grad), not
+accumulated into the inputs' .grad (until 2026-12-05 they were: five more elementwise passes,
+1.05 ms of both sides' f+b at 64K x 16 heads on the H100). --doc-len N splits every row into documents of N tokens,
 the model's layout (the state restarts at each; fla's kernels then run varlen); fla's own
 `chunk_kda` has no such input, so with --doc-len only our entry points run (both backends).
 Then (--layer-memory) the peak memory of one proxy-sized
@@ -83,7 +85,9 @@ def bench(impl: Callable, shape, device, dtype, fused, warmup, iters, bandwidth,
             impl(*tensors, **doc)
 
     def fwd_bwd():
-        impl(*tensors, **doc)[0].backward(grad)
+        # The gradients are returned, not accumulated into the inputs' .grad: in a model the
+        # op's inputs are activations, and an accumulation is five more passes over [B,T,H,D].
+        torch.autograd.grad(impl(*tensors, **doc)[0], tensors, grad)
 
     fwd_ms = timed(fwd, device, warmup, iters)
     if device == "cuda":
@@ -158,10 +162,10 @@ def kernel_profile(impl: Callable, shape, device, dtype, fused) -> list[dict]:
     """Per-kernel device time of one forward+backward of `impl` (torch.profiler), largest first."""
     tensors = inputs(*shape, device, dtype, fused)
     grad = torch.randn_like(tensors[2])
-    impl(*tensors)[0].backward(grad)
+    torch.autograd.grad(impl(*tensors)[0], tensors, grad)
     activity = torch.profiler.ProfilerActivity
     with torch.profiler.profile(activities=[activity.CPU, activity.CUDA]) as prof:
-        impl(*tensors)[0].backward(grad)
+        torch.autograd.grad(impl(*tensors)[0], tensors, grad)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     rows = sorted(({"kernel": e.key, "calls": e.count, "ms": e.device_time_total / 1e3}

@@ -4,7 +4,7 @@
     python bench/kda_memory.py --shapes 1,4096,16,128
 
 bench/kda.py measures `torch.cuda.max_memory_allocated` over a forward+backward after warm-up,
-with the inputs, dO, the output and the inputs' .grad alive. The same run happens here on CPU
+with the inputs, dO and the output alive; the gradients are returned (torch.autograd.grad). The same run happens here on CPU
 tensors with every Triton launch stubbed out, so each op's Python allocates exactly what it
 allocates on the GPU and no kernel runs; a dispatch mode (the memory plan's
 `titan_moe.plan.op_workspace.LiveBytes`) adds up the bytes of every live storage and keeps the
@@ -105,9 +105,9 @@ def predicted_peak(impl, shape: tuple[int, int, int, int], fused: bool) -> int:
         gate = [torch.zeros(h), torch.zeros(h * d)] if fused else []
         tensors = [x.requires_grad_() for x in (q, k, v, g, beta, *gate)]
         grad = torch.empty_like(v)
-        for _ in range(2):  # the second call runs with the .grad buffers held, as timed
+        for _ in range(2):  # the second call, as timed: after a warm-up
             tracker.peak = tracker.now
-            impl(*tensors).backward(grad)
+            torch.autograd.grad(impl(*tensors), tensors, grad)
     return tracker.peak
 
 
