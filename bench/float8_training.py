@@ -80,6 +80,10 @@ def build(args: TitanMoEArgs, variant: str, cfg: Float8, device: str, compile_mo
 
 
 def run_variant(args, variant, cfg, ns, device) -> dict:
+    # Each variant's modules share their classes' code objects with the last variant's, so
+    # without a reset their compiles add up against the recompile limit (the third variant hit
+    # it at AttnResSite.forward, one compile per source count, on 2026-12-05).
+    torch.compiler.reset()
     model = build(args, variant, cfg, device, ns.compile, ns.ac)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, weight_decay=0.1,
                                   fused=device == "cuda")
