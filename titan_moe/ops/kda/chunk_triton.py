@@ -21,8 +21,9 @@ its six kernels (the recomputation was gate_cumsum, ut_transform and state_scan_
 rather than saving them (saved tensors live until the whole backward returns, an op's arguments
 until the op does) and runs as three ops, each the last reader of some: A_qk, W, K_d go with the
 first, the states with the second. So an eager f+b peaks where the backward that recomputes
-does, at tile_products_bwd, the states let go (bench/kda_memory.py: 7.55 GiB at 64K x 16 heads;
-7.76 with the states in fp32, which peaked at the state terms); Inductor frees the kept buffers
+does, at tile_products_bwd, the states let go (bench/kda_memory.py: 6.55 GiB at 64K x 16 heads,
+the gradients returned; with the states in fp32 it peaked at the state terms); autograd fills
+no zero gradient for the kept buffers (set_materialize_grads off); Inductor frees the kept buffers
 by last use itself.
 A second backward through a retained graph finds them handed over and recomputes. Under
 saved-tensor hooks (activation checkpointing, offloading: they see saved tensors only) the
