@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from report import environment
+from timing import device_profile
 
 from float8 import convert_dense_linears, convert_routed_experts
 from titan_moe.cli_args import non_negative, positive, positive_float
@@ -90,9 +91,9 @@ def run_variant(args, variant, cfg, ns, device) -> dict:
     balancer = QuantileBalancer(model)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     losses, times = [], []
-    for step in range(ns.steps):
+
+    def train_step(step: int) -> torch.Tensor:
         batch = arithmetic_batch(step, ns.batch, ns.seq_len, args.vocab_size).to(device)
-        start = time.perf_counter()
         with amp:
             logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -102,6 +103,11 @@ def run_variant(args, variant, cfg, ns, device) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         balancer.step()
+        return loss
+
+    for step in range(ns.steps):
+        start = time.perf_counter()
+        loss = train_step(step)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -122,8 +128,18 @@ def run_variant(args, variant, cfg, ns, device) -> dict:
         result["mfu"] = flops_per_token(args, ns.seq_len) * tokens_per_s / peak
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         torch.cuda.reset_peak_memory_stats()
-    del model, optimizer
-    return result
+        if ns.profile:  # one more step, after the measured ones
+            profile = device_profile(lambda: train_step(ns.steps), result["step_ms"],
+                                     top=ns.profile)
+            result["classes"] = [{k: c[k] for k in ("class", "ms", "share", "top")}
+                                 for c in profile["by_class"]]
+            print(f"{variant}: " + ", ".join(f"{c['class']} {c['ms']:.1f} ms"
+                                             for c in profile["by_class"]))
+            for c in profile["by_class"]:
+                for k in c["top"][:ns.profile]:
+                    print(f"    {c['class'][:12]:<12} {k['ms']:7.2f} ms x{k['calls']:<4} "
+                          f"{k['kernel'][:90]}")
+    return result  # the model and its optimizer go with this frame
 
 
 def compare(runs: list[dict]) -> list[dict]:
@@ -182,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true", help="compile as training does")
     parser.add_argument("--ac", action="store_true", help="full activation checkpointing")
     parser.add_argument("--log-every", type=positive, default=25)
+    parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
+                        help="CUDA: one more step profiled, device time by kernel class and "
+                             "each class's N largest kernels (in the JSON too)")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny model, emulated float8")
     parser.add_argument("--plot", type=Path, help="a result JSON: draw its loss curves and stop")
     parser.add_argument("--out", type=Path)

@@ -4,20 +4,20 @@
     python bench/kda.py --device cpu --shapes 1,256,2,64  # smoke run on CPU (ours only)
 
 For each (B, T, H, D) in bf16 it times forward and forward+backward (median of --iters after
---warmup), two ways: with g given (log-decay in (-5, 0]) and with the gate fused into the
-kernels (ours: `chunk_kda_fused_gate`; fla: `use_gate_in_kernel=True`). It reports TFLOP/s with
-Kimi Linear's count per head, 6TD² + 3TCD + TC² for the forward (C = 64), tripled for
-forward+backward; GB/s of the compulsory traffic (inputs read once, outputs written once) and
-that as a share of the measured device-copy bandwidth (the roofline); the speed-up over fla;
-the peak memory of forward+backward. The gradients are returned (torch.autograd.grad), not
-accumulated into the inputs' .grad (until 2026-12-05 they were: five more elementwise passes,
-1.05 ms of both sides' f+b at 64K x 16 heads on the H100). --doc-len N splits every row into documents of N tokens,
-the model's layout (the state restarts at each; fla's kernels then run varlen); fla's own
-`chunk_kda` has no such input, so with --doc-len only our entry points run (both backends).
-Then (--layer-memory) the peak memory of one proxy-sized
-KDA layer's forward+backward against T. --block-v N runs ours with another V block (the state
-scans' split of the state, so their programs: B·H·V/N). bench/kda_memory.py predicts the peaks
-on a host without a GPU. Prints tables, writes JSON.
+--warmup), two ways: with g given (log-decay in (-5, 0]) and with the gate fused into the kernels
+(ours: `chunk_kda_fused_gate`; fla: `use_gate_in_kernel=True`). It reports TFLOP/s with Kimi
+Linear's count per head, 6TD² + 3TCD + TC² for the forward (C = 64), tripled for forward+backward;
+GB/s of the compulsory traffic (inputs read once, outputs written once) and that as a share of the
+measured device-copy bandwidth (the roofline); the speed-up over fla; the peak memory of
+forward+backward. The gradients are returned (torch.autograd.grad), not accumulated into the
+inputs' .grad (until 2026-12-05 they were: five more elementwise passes, 1.05 ms of both sides' f+b
+at 64K x 16 heads on the H100). --doc-len N splits every row into documents of N tokens, the
+model's layout (the state restarts at each; fla's kernels then run varlen); fla's own `chunk_kda`
+has no such input, so with --doc-len only our entry points run (both backends). Then
+(--layer-memory) the peak memory of one proxy-sized KDA layer's forward+backward against T.
+--block-v N runs ours with another V block (the state scans' split of the state, so their programs:
+B·H·V/N). bench/kda_memory.py predicts the peaks on a host without a GPU. Prints tables, writes
+JSON.
 fla's first call at a new shape autotunes for minutes: keep ~/.triton/cache between runs.
 """
 

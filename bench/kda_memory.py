@@ -3,18 +3,18 @@
     python bench/kda_memory.py                        # the KDA issue's five shapes
     python bench/kda_memory.py --shapes 1,4096,16,128
 
-bench/kda.py measures `torch.cuda.max_memory_allocated` over a forward+backward after warm-up,
-with the inputs, dO and the output alive; the gradients are returned (torch.autograd.grad). The same run happens here on CPU
-tensors with every Triton launch stubbed out, so each op's Python allocates exactly what it
-allocates on the GPU and no kernel runs; a dispatch mode (the memory plan's
+bench/kda.py measures `torch.cuda.max_memory_allocated` over a forward+backward after warm-up, with
+the inputs, dO and the output alive; the gradients are returned (torch.autograd.grad). The same run
+happens here on CPU tensors with every Triton launch stubbed out, so each op's Python allocates
+exactly what it allocates on the GPU and no kernel runs; a dispatch mode (the memory plan's
 `titan_moe.plan.op_workspace.LiveBytes`) adds up the bytes of every live storage and keeps the
-largest sum. Our op's forward and backward bodies run as plain Python, under its own autograd
-(the forward saves the inputs and hands what it keeps to the backward, which frees each buffer
-after the op that last reads it, as the op's does): a custom op's body is hidden from a
-dispatch mode. fla-core is pure Python plus Triton; installed, its `chunk_kda` (`safe_gate`,
-lower bound -5, g given or `use_gate_in_kernel`) runs the same way. The caching allocator's
-512-byte rounding is left out. Checked against the H200: the op as it was on 2026-12-04
-predicted 0.563 GiB at (1, 4096, 16, 128), and bench/kda.py measured 0.5630 GiB.
+largest sum. Our op's forward and backward bodies run as plain Python, under its own autograd (the
+forward saves the inputs and hands what it keeps to the backward, which frees each buffer after the
+op that last reads it, as the op's does): a custom op's body is hidden from a dispatch mode. fla-
+core is pure Python plus Triton; installed, its `chunk_kda` (`safe_gate`, lower bound -5, g given
+or `use_gate_in_kernel`) runs the same way. The caching allocator's 512-byte rounding is left out.
+Checked against the H200: the op as it was on 2026-12-04 predicted 0.563 GiB at (1, 4096, 16, 128),
+and bench/kda.py measured 0.5630 GiB.
 Prints a table, writes JSON.
 """
 
