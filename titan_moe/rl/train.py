@@ -186,7 +186,9 @@ def train(config: RLConfig) -> list[dict[str, float]]:
         if step % config.output.log_freq == 0:
             print(f"step {step:3d}  reward {stats['reward']:.3f}  success "
                   f"{stats['success_rate']:.2f}  len {stats['trajectory_length']:.0f}  "
-                  f"kl {stats['kl']:.4f}  entropy {stats['entropy']:.3f}", flush=True)
+                  f"kl {stats['kl']:.4f}  entropy {stats['entropy']:.3f}  "
+                  f"{stats['step_time_s']:.1f} s  rollouts {stats['rollout_tokens_per_s']:.0f} "
+                  f"tok/s  update {stats['train_tokens_per_s']:.0f} tok/s", flush=True)
         if rl.save_interval and step % rl.save_interval == 0 and step != rl.steps:
             save(policy, dump / "checkpoint", step)
     writer.close()
