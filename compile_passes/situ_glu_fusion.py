@@ -5,14 +5,14 @@
     ∂b = ∂h · SiTU_β1(a) · (1 − tanh²(b/β2))
 
 Inductor already fuses the decomposed forward and backward of `situ_glu` into one kernel each
-(bench/compile.py shows the count), but only as long as its heuristics agree: the partitioner
-picks what the forward saves and the scheduler decides the fusion. This pass makes both fixed.
-It matches `titan_moe.model.situ_glu.situ_glu` in the joint forward+backward graph (and in
-inference graphs), traced from that very function so the pattern follows the model's code, and
-replaces it with two opaque ops, `compile_passes::situ_glu` and `::situ_glu_backward`. Their
-Inductor lowerings build single `Pointwise` nodes (the backward's two outputs share their
-inputs and ranges, so the scheduler fuses them as one kernel), and the op boundary means the
-forward saves exactly a and b and never writes an intermediate.
+(bench/compile.py shows the count), but only as long as its heuristics agree: the partitioner picks
+what the forward saves and the scheduler decides the fusion. This pass makes both fixed. It matches
+`titan_moe.ops.situ_glu.situ_glu_naive` (what `situ_glu` runs while compiling) in the joint
+forward+backward graph (and in inference graphs), traced from that very function so the pattern
+follows the model's code, and replaces it with two opaque ops, `compile_passes::situ_glu` and
+`::situ_glu_backward`. Their Inductor lowerings build single `Pointwise` nodes (the backward's two
+outputs share their inputs and ranges, so the scheduler fuses them as one kernel), and the op
+boundary means the forward saves exactly a and b and never writes an intermediate.
 """
 
 import functools
@@ -29,7 +29,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch._inductor.virtualized import ops
 
-from titan_moe.model.situ_glu import situ_glu
+from titan_moe.ops.situ_glu import situ_glu_naive
 
 NAME = "situ_glu"
 BETA1, BETA2 = 4.0, 25.0  # the traced pattern's constants, captured as match arguments
@@ -39,7 +39,7 @@ PATTERN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @torch.library.custom_op("compile_passes::situ_glu", mutates_args=())
 def situ_glu_fused(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
     """situ_glu(a, b) as one op; eager (and pattern-tracing) implementation."""
-    return situ_glu(a, b, beta1, beta2)
+    return situ_glu_naive(a, b, beta1, beta2)
 
 
 @situ_glu_fused.register_fake
@@ -142,7 +142,7 @@ def _lower_backward(grad, a, b, beta1: float, beta2: float):
 
 
 def _search(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
-    return situ_glu(a, b, beta1, beta2)
+    return situ_glu_naive(a, b, beta1, beta2)
 
 
 def _replace(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:

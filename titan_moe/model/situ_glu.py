@@ -10,26 +10,17 @@ keeps the experts stable; near 0, tanh(g/β)·β ≈ g, so the unit behaves like
 Long context (`token_chunk` > 0, the dense layers' `seq_segment`): the block runs over chunks of
 that many flattened tokens, each under its own activation checkpoint
 (`token_chunks.checkpointed_chunks`), so backward holds one chunk's hidden activations.
+
+The unit itself is titan_moe/ops/situ_glu (a Triton op for eager CUDA, the reference otherwise).
 """
 
 import torch
 from torch import nn
 
 from titan_moe.model.token_chunks import checkpointed_chunks
+from titan_moe.ops.situ_glu import situ, situ_glu
 
-
-def situ(x: torch.Tensor, beta: float) -> torch.Tensor:
-    """SiTU_β(x) = β·tanh(x/β)·σ(x), in the dtype of x."""
-    return beta * torch.tanh(x / beta) * torch.sigmoid(x)
-
-
-def situ_glu(
-    a: torch.Tensor, b: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
-) -> torch.Tensor:
-    """h = SiTU_β1(a) ⊙ β2·tanh(b/β2), computed in (at least) fp32, returned in a's dtype."""
-    compute_dtype = torch.promote_types(a.dtype, torch.float32)
-    a32, b32 = a.to(compute_dtype), b.to(compute_dtype)
-    return (situ(a32, beta1) * (beta2 * torch.tanh(b32 / beta2))).to(a.dtype)
+__all__ = ["SiTUGLU", "situ", "situ_glu"]
 
 
 class SiTUGLU(nn.Module):

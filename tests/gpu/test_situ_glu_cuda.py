@@ -1,0 +1,62 @@
+"""The SiTU-GLU Triton op on CUDA against the float64 reference, its fake shapes, and the
+dispatch: eager CUDA calls take the op, graphs being compiled the reference's ops (which
+compile_passes/situ_glu_fusion.py fuses). Bound: one bf16 rounding an output (round to nearest,
+about 1.6e-3 relative RMS), BF16_RTOL as in the interpreter test."""
+
+import pytest
+import torch
+from torch._dynamo.testing import EagerAndRecordGraphs
+
+from titan_moe.ops.situ_glu import situ_glu, situ_glu_bwd_triton, situ_glu_naive, situ_glu_triton
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+BF16_RTOL = 5e-3
+BETA1, BETA2 = 4.0, 25.0
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("scale", [3.0, 40.0], ids=["moderate", "saturating"])
+def test_bf16_op_matches_float64(scale):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (16384 * 4 + 3, 256)  # the MoE bench's smallest expert block, a partial last block
+    a, b, dh = ((torch.randn(shape, device="cuda", generator=gen) * s).bfloat16()
+                for s in (scale, scale, 1.0))
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    want = situ_glu_naive(a64, b64, BETA1, BETA2)
+    want_grads = torch.autograd.grad(want, (a64, b64), dh.double())
+    ours = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    h = situ_glu(*ours, BETA1, BETA2)
+    grads = torch.autograd.grad(h, ours, dh)
+    assert h.dtype == torch.bfloat16
+    errors = [rel_rms(h, want)] + [rel_rms(g, w) for g, w in zip(grads, want_grads, strict=True)]
+    assert max(errors) <= BF16_RTOL, errors
+
+
+def test_opcheck_fake_tensor_and_autograd():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a, b, dh = (torch.randn(64, 96, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    torch.library.opcheck(situ_glu_triton, (a.requires_grad_(), b.requires_grad_(), BETA1, BETA2))
+    torch.library.opcheck(situ_glu_bwd_triton, (dh, a.detach(), b.detach(), BETA1, BETA2))
+
+
+def test_compiled_graphs_take_the_reference_and_eager_takes_the_op():
+    a = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
+    recorder = EagerAndRecordGraphs()
+    torch.compile(situ_glu, backend=recorder, fullgraph=True)(a, a)
+    (graph,) = recorder.graphs
+    targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert not any("situ_glu" in t for t in targets), targets
+    assert any("tanh" in t for t in targets), targets
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        situ_glu(a, a)
+        torch.cuda.synchronize()
+    kernels = {e.key for e in prof.key_averages()}
+    assert any("situ_glu_fwd_kernel" in k for k in kernels), kernels

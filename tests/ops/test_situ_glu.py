@@ -1,0 +1,97 @@
+"""The SiTU-GLU Triton op (run by Triton's CPU interpreter in a child process, see
+tests/ops/interpreter.py) against the PyTorch reference in float64 on the op's own inputs
+(tests/model/test_situ_glu.py checks the reference against the formula in NumPy).
+
+h, ∂a and ∂b as relative RMS error ||got − want|| / ||want||. Bounds:
+  fp32   FP32_RTOL: fp32 arithmetic; the interpreter's tanh comes from exp (no libdevice), which
+         loses a few bits near 0 (observed below 1e-6).
+  bf16   BF16_RTOL: each output is one bf16 rounding of an fp32 value, which the interpreter does
+         by truncation (about 3.1e-3 relative RMS; 1.6e-3 with the GPU's round to nearest).
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.ops.interpreter import guarded
+from titan_moe.ops.situ_glu import situ_glu_naive
+
+FP32_RTOL = 1e-5
+BF16_RTOL = 5e-3
+BETA1, BETA2 = 4.0, 25.0
+
+# name -> (shape, dtype, input scale): sizes that leave a partial last block, inputs that
+# saturate tanh and σ (scale 40), and a bf16 [rows, hidden] block as the experts have it.
+CASES = {
+    "fp32-3x1000": ((3, 1000), torch.float32, 3.0),
+    "fp32-saturating-4x700": ((4, 700), torch.float32, 40.0),
+    "bf16-64x96": ((64, 96), torch.bfloat16, 3.0),
+    "bf16-saturating-5000": ((5000,), torch.bfloat16, 40.0),
+}
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def run_case(shape, dtype, scale) -> dict:
+    from titan_moe.ops.situ_glu import situ_glu_triton
+
+    gen = torch.Generator().manual_seed(0)
+    a, b, dh = ((torch.randn(shape, generator=gen) * s).to(dtype) for s in (scale, scale, 1.0))
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    want = situ_glu_naive(a64, b64, BETA1, BETA2)
+    want_da, want_db = torch.autograd.grad(want, (a64, b64), dh.double())
+    ours_a, ours_b = a.clone().requires_grad_(), b.clone().requires_grad_()
+    h = situ_glu_triton(ours_a, ours_b, BETA1, BETA2)
+    da, db = torch.autograd.grad(h, (ours_a, ours_b), dh)
+    return {"h": rel_rms(h, want), "da": rel_rms(da, want_da), "db": rel_rms(db, want_db),
+            "dtypes_ok": (h.dtype, da.dtype, db.dtype) == (dtype,) * 3}
+
+
+def run_opcheck() -> dict:
+    """torch.library.opcheck of both ops' schemas and the forward's autograd registration (the
+    fake-tensor check runs on the GPU: under the interpreter Triton touches fake storage)."""
+    from titan_moe.ops.situ_glu import situ_glu_bwd_triton, situ_glu_triton
+
+    gen = torch.Generator().manual_seed(1)
+    a, b, dh = (torch.randn(4, 40, generator=gen) for _ in range(3))
+    tests = ("test_schema", "test_autograd_registration")
+    report = {f"fwd_{name}": str(outcome) for name, outcome in torch.library.opcheck(
+        situ_glu_triton, (a.requires_grad_(), b.requires_grad_(), BETA1, BETA2),
+        test_utils=tests).items()}
+    report |= {f"bwd_{name}": str(outcome) for name, outcome in torch.library.opcheck(
+        situ_glu_bwd_triton, (dh, a.detach(), b.detach(), BETA1, BETA2),
+        test_utils=("test_schema",)).items()}
+    return report
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_op_matches_float64_reference_under_interpreter(results, name):
+    report = results[name]
+    assert "error" not in report, report["error"]
+    assert report["dtypes_ok"], report
+    bound = BF16_RTOL if CASES[name][1] == torch.bfloat16 else FP32_RTOL
+    assert max(report[k] for k in ("h", "da", "db")) <= bound, report
+
+
+def test_opcheck_schema_and_autograd(results):
+    report = results["opcheck"]
+    assert "error" not in report, report.get("error")
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_mismatched_inputs_name_the_fields():
+    from titan_moe.ops.situ_glu import situ_glu_triton
+
+    with pytest.raises(ValueError, match="a and b must have one shape"):
+        situ_glu_triton(torch.zeros(2, 3), torch.zeros(3, 2), BETA1, BETA2)
+    with pytest.raises(ValueError, match="a and b must have one dtype"):
+        situ_glu_triton(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16), BETA1, BETA2)
+
+
+if __name__ == "__main__":
+    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

@@ -1,0 +1,32 @@
+"""SiTU-GLU, h = SiTU_β1(a) ⊙ β2·tanh(b/β2) (spec §5), laid out like fla's op folders:
+
+    naive.py             the PyTorch reference (and `situ`, the gate alone)
+    situ_glu_triton.py   the Triton op (titan_moe::situ_glu / situ_glu_bwd), for eager CUDA
+
+`situ_glu` is the entry point: eager CUDA tensors (fp32/bf16/fp16) take the Triton op; CPU
+tensors and graphs being compiled take the reference, whose ops Inductor fuses into one kernel
+each way (compile_passes/situ_glu_fusion.py matches them). The branch is in Python, before any
+op is called.
+"""
+
+import torch
+from torch import Tensor
+
+from titan_moe.ops.situ_glu.naive import situ, situ_glu_naive
+from titan_moe.ops.situ_glu.situ_glu_triton import (
+    situ_glu_bwd_triton,
+    situ_glu_triton,
+    validate_situ_glu_inputs,
+)
+
+__all__ = ["situ", "situ_glu", "situ_glu_bwd_triton", "situ_glu_naive", "situ_glu_triton"]
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def situ_glu(a: Tensor, b: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+    """h = SiTU_β1(a) ⊙ β2·tanh(b/β2), computed in (at least) fp32, returned in a's dtype."""
+    if a.is_cuda and a.dtype in _TRITON_DTYPES and not torch.compiler.is_compiling():
+        validate_situ_glu_inputs(a, b)
+        return situ_glu_triton(a, b, beta1, beta2)
+    return situ_glu_naive(a, b, beta1, beta2)
