@@ -1,5 +1,6 @@
-"""bench/generate.py --smoke on CPU: one (context, batch) through prefill, the compiled decode
-step and the JSON/table; the 1K-ratio bookkeeping on made-up rows."""
+"""bench/generate.py --smoke on CPU: two contexts of one batch through prefill, the compiled
+decode step (compiled by the first row only) and the JSON/table; the 1K-ratio bookkeeping on
+made-up rows."""
 
 import importlib.util
 import json
@@ -20,12 +21,15 @@ def _bench():
 def test_smoke_run_writes_rows_and_merges(tmp_path, capsys):
     bench = _bench()
     out = tmp_path / "generate.json"
-    bench.main(["--smoke", "--contexts", "128", "--batches", "2", "--out", str(out)])
+    bench.main(["--smoke", "--contexts", "64,128", "--batches", "2", "--out", str(out)])
     bench.main(["--smoke", "--contexts", "64,128", "--batches", "1", "--compile", "none",
                 "--out", str(out)])
     data = json.loads(out.read_text())
     rows = {(r["context"], r["batch"]): r for r in data["rows"]}
-    assert set(rows) == {(128, 2), (64, 1), (128, 1)}
+    assert set(rows) == {(64, 2), (128, 2), (64, 1), (128, 1)}
+    # One decode-step compile a batch size: the second context reuses it (slot dim dynamic).
+    assert rows[(64, 2)]["graphs_compiled"] == 1 and rows[(128, 2)]["graphs_compiled"] == 0
+    assert rows[(64, 1)]["graphs_compiled"] == rows[(128, 1)]["graphs_compiled"] == 0  # eager
     r = rows[(128, 2)]
     assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["step_ms"] > 0
     assert r["mla_cache_slots"] == 128 + 2 + 8  # context + warmup + decode tokens

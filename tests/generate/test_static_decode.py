@@ -8,6 +8,9 @@ largest value, float32 on CPU. Compiled steps (aot_eager: the traced graph run o
 inductor: generated kernels) are held to the same tolerance and must compile exactly once.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -161,3 +164,33 @@ def test_reset_reuses_the_compiled_step(model):
     dynamic = Generator(model, prefill_chunk=64).generate(prompts, max_new_tokens=20,
                                                            sampling=Sampling(temperature=0))
     assert [c.tokens for c in first] == [c.tokens for c in dynamic]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_sessions_of_every_max_len_share_one_compile(model, backend):
+    """Sessions of one batch size and different max_len (new buffers each, the slot dim
+    dynamic, no identity guard on them) run one compiled step: one compile in all, each
+    session's greedy tokens equal to those of the eager session of its max_len (exact), and a
+    dropped session's cache is freed (no guard or compiled graph keeps it)."""
+    torch._dynamo.reset()
+    counters.clear()
+    prompts = _prompts(model, (9, 40), seed=13)
+    counter = CompileCounterWithBackend(backend)
+    freed = []
+    for max_len in (60, 150, 97):
+        tokens = {}
+        for compiled in (True, False):
+            session = StaticSession(model, 2, max_len, prefill_chunk=64, compile=compiled,
+                                    backend=counter)
+            session.extend(prompts)
+            done = session.decode(16, Sampling(temperature=0))
+            tokens[compiled] = [c.tokens for c in done]
+            assert [c.kv.shape[1] for c in session.cache if isinstance(c, StaticMLACache)] == [
+                max_len] * len(model.args.mla_layers)
+            freed.append(weakref.ref(session.cache[-1].kv))
+            del session
+        assert tokens[True] == tokens[False], max_len
+    gc.collect()
+    assert all(ref() is None for ref in freed)
+    assert counter.frame_count == 1
+    assert not counters["graph_break"]

@@ -12,15 +12,28 @@ one token a row, every row: a row that is not running feeds a padding token (a n
 state). Inside it the shapes are the same every step (the MLA attends over all max_len slots,
 the unwritten ones masked) and nothing reads a host value, so `torch.compile(fullgraph=True,
 dynamic=False)` traces it once and, with mode="reduce-overhead" (CUDA only), replays it as one
-CUDA graph. The cache tensors are marked static (`torch._dynamo.mark_static_address`): the graph
-reads and writes them where they are. The host's only per-step bookkeeping is a Python counter
-(`filled`, the slots written, for prefill and the capacity check), never passed to the graph.
+CUDA graph. The host's only per-step bookkeeping is a Python counter (`filled`, the slots
+written, for prefill and the capacity check), never passed to the graph.
+
+One compiled step serves every session of a batch size, whatever its max_len: the step is one
+module-level function that takes the model and the cache as arguments (no closure per session),
+the MLA buffers' slot dim is marked dynamic (`maybe_mark_dynamic`: one graph for every cache
+length; everything else stays static) and the cache tensors are marked static addresses
+without an identity guard (`mark_static_address(guard=False)`): the graph reads and writes them
+where they are, a CUDA graph is captured per session (cudagraph trees re-record when a static
+input moves or the slot count changes), and a new session with new buffers reuses the compiled
+code. Decode at max_len S still reads S slots: the shapes are symbolic, not padded to a maximum.
+On CUDA the MLA attention is the Triton op of ops/mla_decode.py, whose launch layout (splits a
+row, the constexpr split length) is computed from S: tracing it guards on S's split class
+(Dynamo specialises a user kernel's constexpr), so sessions whose S falls in another class
+compile again ("maybe": a guard on S recompiles instead of raising).
 
 `decode` samples on the device (no per-step sync) and collects tokens, log-probs and stops in
 device buffers, reading them back once at the end (and `running.any()` every `check_every`
 steps, to end early when every row has stopped).
 """
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,10 +44,11 @@ from titan_moe.model.mla import StaticMLACache
 from titan_moe.model.model import TitanMoE
 from titan_moe.serve.generate import Completion, Generator, Sampling, Session, sample
 
-DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Cache = Sequence[StaticKDAState | StaticMLACache]
+DecodeStep = Callable[[TitanMoE, Cache, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def cache_tensors(cache: Sequence[StaticKDAState | StaticMLACache]) -> list[torch.Tensor]:
+def cache_tensors(cache: Cache) -> list[torch.Tensor]:
     """Every buffer of a static cache (the ones a decode step reads and writes in place)."""
     out = []
     for c in cache:
@@ -53,14 +67,22 @@ def cache_bytes(cache: Sequence) -> tuple[int, int]:
     return kda, mla
 
 
-def make_decode_step(model: TitanMoE, cache: Sequence[StaticKDAState | StaticMLACache]
-                     ) -> DecodeStep:
+def mark_for_compile(cache: Cache) -> None:
+    """Marks a static cache for the compiled step: every buffer a static address the graph
+    reads and writes in place, with no guard on its identity (another session's buffers reuse
+    the graph), and the MLA buffers' slot dim dynamic (another max_len reuses it too)."""
+    for t in cache_tensors(cache):
+        torch._dynamo.mark_static_address(t, guard=False)
+    for c in cache:
+        if isinstance(c, StaticMLACache):
+            torch._dynamo.maybe_mark_dynamic(c.kv, 1)
+            torch._dynamo.maybe_mark_dynamic(c.valid, 1)
+
+
+def decode_step(model: TitanMoE, cache: Cache, token: torch.Tensor, running: torch.Tensor
+                ) -> torch.Tensor:
     """The eager decode step over `cache` (see the module docstring)."""
-
-    def decode_step(token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
-        return model(token[:, None], cache=cache, valid=running[:, None])[:, -1].float()
-
-    return decode_step
+    return model(token[:, None], cache=cache, valid=running[:, None])[:, -1].float()
 
 
 def resolve_mode(mode: str | None, device: torch.device) -> str | None:
@@ -70,13 +92,15 @@ def resolve_mode(mode: str | None, device: torch.device) -> str | None:
     return mode
 
 
-def compile_decode_step(step: DecodeStep, mode: str | None = None, backend="inductor"
-                        ) -> DecodeStep:
-    """torch.compile with no graph break allowed and static shapes (a new shape is a new graph,
-    never a dynamic one). `mode` only applies to the inductor backend."""
+@functools.cache
+def compile_decode_step(mode: str | None = None, backend="inductor") -> DecodeStep:
+    """decode_step under torch.compile with no graph break allowed and static shapes but the
+    ones mark_for_compile marks dynamic. One callable per (mode, backend), shared by the
+    sessions, so their steps share one compile whatever Dynamo's backend comparison does.
+    `mode` only applies to the inductor backend."""
     if backend == "inductor":
-        return torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
-    return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+        return torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(decode_step, fullgraph=True, dynamic=False, backend=backend)
 
 
 class StaticSession(Session):
@@ -103,15 +127,13 @@ class StaticSession(Session):
         self.max_len = max_len
         self.filled = 0  # slots written (the same for every row), host side
         super().__init__(model, batch, prefill_chunk)
-        for t in cache_tensors(self.cache):
-            torch._dynamo.mark_static_address(t)
+        mark_for_compile(self.cache)
         self.mode = resolve_mode(mode, self.device) if compile else None
-        step = make_decode_step(model, self.cache)
-        self.step = compile_decode_step(step, self.mode, backend) if compile else step
+        self.step = compile_decode_step(self.mode, backend) if compile else decode_step
 
     def reset(self) -> None:
         """Empty the session in place (nothing seen yet) for the next batch of prompts: the
-        same buffers, so the compiled step (guarded on their identity) is reused, no recompile."""
+        same buffers, so the compiled step is reused and so is its captured CUDA graph."""
         for t in cache_tensors(self.cache):
             t.zero_()
         self._advance(-self.filled)
@@ -145,7 +167,7 @@ class StaticSession(Session):
         self._reserve(1)
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.step(token, running)
+        logits = self.step(self.model, self.cache, token, running)
         self._advance(1)
         return logits
 
