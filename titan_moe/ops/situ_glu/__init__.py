@@ -13,11 +13,7 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.situ_glu.naive import situ, situ_glu_naive
-from titan_moe.ops.situ_glu.situ_glu_triton import (
-    situ_glu_bwd_triton,
-    situ_glu_triton,
-    validate_situ_glu_inputs,
-)
+from titan_moe.ops.situ_glu.situ_glu_triton import situ_glu_bwd_triton, situ_glu_triton
 
 __all__ = ["situ", "situ_glu", "situ_glu_bwd_triton", "situ_glu_naive", "situ_glu_triton"]
 
@@ -27,6 +23,5 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def situ_glu(a: Tensor, b: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
     """h = SiTU_β1(a) ⊙ β2·tanh(b/β2), computed in (at least) fp32, returned in a's dtype."""
     if a.is_cuda and a.dtype in _TRITON_DTYPES and not torch.compiler.is_compiling():
-        validate_situ_glu_inputs(a, b)
         return situ_glu_triton(a, b, beta1, beta2)
     return situ_glu_naive(a, b, beta1, beta2)
