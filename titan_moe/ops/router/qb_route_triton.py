@@ -14,9 +14,8 @@ relaxed atomic add into [E, n_bins] int32, each routed slot into the [E] load. N
 is written. The histogram range and scale come from `qb_range`, computed by PyTorch, so bins
 are the reference's bit for bit.
 
-σ on CUDA is 1 / (1 + exp(-x)) with libdevice's expf and an IEEE division, the expression and
-functions torch.sigmoid's CUDA kernel uses; Triton's interpreter (tests) has no libdevice and
-uses NumPy's exp, whose last bit can differ from torch's CPU exp.
+σ is ops/libdevice_math.py's: on CUDA the expression and functions torch.sigmoid's CUDA kernel
+uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
 
 `titan_moe::qb_route` is a `torch.library.triton_op` (torch.compile sees the kernel); its
 backward, the gradient of the weights w.r.t. the logits, is PyTorch over the k routed slots.
@@ -29,22 +28,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
-from triton.language.extra import libdevice
 
+from titan_moe.ops.libdevice_math import sigmoid
 from titan_moe.ops.router.histogram import qb_range
 
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
 MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
 KNOCKED_OUT: tl.constexpr = tl.constexpr(-(2**31))  # below every key of a real score
-
-
-@triton.jit
-def _sigmoid(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        e = libdevice.exp(-x)
-    else:
-        e = tl.exp(-x)
-    return tl.math.div_rn(1.0, 1.0 + e)
 
 
 @triton.jit
@@ -79,7 +69,7 @@ def qb_route_kernel(
     in_tile = row_ok[:, None] & col_ok[None, :]
     row_ptr = logits_ptr + rows.to(tl.int64) * stride_t
     x = tl.load(row_ptr[:, None] + cols[None, :], mask=in_tile, other=0.0).to(tl.float32)
-    s = _sigmoid(x, LIBDEVICE)
+    s = sigmoid(x, LIBDEVICE)
     b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
     # s > 0, so s + b is never -0.0 and the int order equals the float order.
     key = tl.where(in_tile, _order_key(s + b[None, :]), KNOCKED_OUT)
@@ -90,7 +80,7 @@ def qb_route_kernel(
     for j in tl.static_range(K):
         best = tl.max(key, axis=1)
         e = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        s_e = _sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
+        s_e = sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
         total += s_e
         ids = tl.where(slots[None, :] == j, e[:, None], ids)
         chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)

@@ -13,8 +13,8 @@ Compiled graphs do not take this op: Inductor fuses the reference's maths itself
 (compile_passes/situ_glu_fusion.py), so the dispatcher (`titan_moe.ops.situ_glu`) sends them
 there.
 
-tanh and σ on CUDA use libdevice's tanhf and expf with an IEEE division; Triton's interpreter
-(the CPU tests) has no libdevice, so there tanh comes from exp, exact to about 1e-7 absolute.
+tanh and σ are ops/libdevice_math.py's: libdevice's on CUDA; under Triton's interpreter (the CPU
+tests) tanh comes from exp, exact to about 1e-7 absolute.
 One program takes BLOCK contiguous elements, 4 warps, no autotuning.
 """
 
@@ -23,27 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
-from triton.language.extra import libdevice
+
+from titan_moe.ops.libdevice_math import sigmoid, tanh
 
 BLOCK, WARPS = 2048, 4
-
-
-@triton.jit
-def _tanh(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.tanh(x)
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _sigmoid(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        e = libdevice.exp(-x)
-    else:
-        e = tl.exp(-x)
-    return tl.math.div_rn(1.0, 1.0 + e)
 
 
 @triton.jit
@@ -53,8 +36,8 @@ def situ_glu_fwd_kernel(a_ptr, b_ptr, h_ptr, n, BETA1: tl.constexpr, BETA2: tl.c
     mask = offs < n
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    situ_a = BETA1 * _tanh(a / BETA1, LIBDEVICE) * _sigmoid(a, LIBDEVICE)
-    h = situ_a * (BETA2 * _tanh(b / BETA2, LIBDEVICE))
+    situ_a = BETA1 * tanh(a / BETA1, LIBDEVICE) * sigmoid(a, LIBDEVICE)
+    h = situ_a * (BETA2 * tanh(b / BETA2, LIBDEVICE))
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -67,9 +50,9 @@ def situ_glu_bwd_kernel(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BETA1: tl.const
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tanh_a = _tanh(a / BETA1, LIBDEVICE)
-    sig_a = _sigmoid(a, LIBDEVICE)
-    tanh_b = _tanh(b / BETA2, LIBDEVICE)
+    tanh_a = tanh(a / BETA1, LIBDEVICE)
+    sig_a = sigmoid(a, LIBDEVICE)
+    tanh_b = tanh(b / BETA2, LIBDEVICE)
     situ_a = BETA1 * tanh_a * sig_a
     d_situ = (1.0 - tanh_a * tanh_a) * sig_a + situ_a * (1.0 - sig_a)
     da = dh * (BETA2 * tanh_b) * d_situ
