@@ -103,10 +103,12 @@ def test_mla_decode_op_opcheck_on_cuda():
 
 @torch.no_grad()
 def test_sessions_of_two_lengths_share_one_compile_on_cuda():
-    """Two CUDA-graphed sessions of batch 2 with 512 and 700 slots (one split class of the MLA
-    op: at most 4 x SMs / 2 blocks of 64 slots a row, so the same split length) compile the step
-    once and each capture its own CUDA graph (no cudagraph skip); each matches its eager twin
-    within BF16_RTOL, teacher-forced with the graphed session's greedy tokens."""
+    """Two CUDA-graphed sessions of batch 2 with 512 and 20,000 slots compile the step once and
+    each capture its own CUDA graph (no cudagraph skip); each matches its eager twin within
+    BF16_RTOL, teacher-forced with the graphed session's greedy tokens. The two lengths take
+    different split layouts of the MLA op (on an H100 or H200, 64 and 128 slots a split: more
+    than 4 x SMs / 2 blocks of 64 slots a row at 20,000), which compiled the step twice while the
+    split length was a constexpr and the layout's min/max guarded on the slot count."""
     model = _model()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()
@@ -115,7 +117,7 @@ def test_sessions_of_two_lengths_share_one_compile_on_cuda():
     counters.clear()
     running = torch.ones(2, dtype=torch.bool, device="cuda")
     worst = 0.0
-    for max_len in (512, 700):
+    for max_len in (512, 20000):
         graphed = StaticSession(model, 2, max_len, prefill_chunk=128)
         eager = StaticSession(model, 2, max_len, prefill_chunk=128, compile=False)
         for s in (graphed, eager):

@@ -84,6 +84,33 @@ def test_splits_cover_every_slot_in_whole_blocks():
         assert split_len % 64 == 0 and splits * split_len >= slots > (splits - 1) * split_len
 
 
+def test_one_graph_serves_caches_of_every_split_class():
+    """torch.compile with a dynamic slot count traces the op once for caches whose split layouts
+    differ (the split count and length are expressions of the slot count, not guards on it):
+    six lengths over four split lengths, one graph. The backend only counts graphs (the kernel
+    cannot run here without the interpreter); before sym_min/sym_max and the runtime SPLIT_LEN,
+    these lengths traced four graphs."""
+    from titan_moe.ops.mla_decode import mla_decode_triton
+
+    graphs = []
+
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: [None]
+
+    decode = torch.compile(lambda q, kv, valid, pos: mla_decode_triton(q, kv, valid, pos, 0.3, 16),
+                           backend=count_graphs, fullgraph=True)
+    lengths = (1000, 2600, 300, 200, 5000, 100000)
+    layouts = {split_layout(2, 3, n, torch.device("cpu"))[1] for n in lengths}
+    assert len(layouts) == 4, layouts
+    for slots in lengths:
+        kv, valid = torch.randn(2, slots, 24), torch.ones(2, slots, dtype=torch.bool)
+        torch._dynamo.mark_dynamic(kv, 1)
+        torch._dynamo.mark_dynamic(valid, 1)
+        decode(torch.randn(2, 3, 24), kv, valid, torch.tensor(5))
+    assert len(graphs) == 1, len(graphs)
+
+
 def test_naive_row_with_only_its_own_slot_returns_that_value():
     q, kv, valid, p = make_inputs(2, 3, 50, 16, 8, 20)
     out = mla_decode_attention_naive(q, kv, valid, p, 0.3, 16)

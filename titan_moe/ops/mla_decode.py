@@ -65,12 +65,38 @@ def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 
 @triton.jit
+def attend_slot_block(m, denom, acc, i, start, end, pos, q_l, q_r, kv_row, valid_row, stride_ks,
+                      scale, offs_l, offs_r, LORA: tl.constexpr, ROPE: tl.constexpr,
+                      BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """(m, denom, acc) after the split's i-th block of BLOCK slots (online softmax); slots at or
+    past `end` are masked off and not read."""
+    offs_s = start + i * BLOCK + tl.arange(0, BLOCK)
+    s_in = offs_s < end
+    k_rows = kv_row + offs_s[:, None] * stride_ks
+    k_l = tl.load(k_rows + offs_l[None, :], mask=s_in[:, None] & (offs_l[None, :] < LORA),
+                  other=0.0)
+    k_r = tl.load(k_rows + LORA + offs_r[None, :],
+                  mask=s_in[:, None] & (offs_r[None, :] < ROPE), other=0.0)
+    scores = tl.dot(q_l, tl.trans(k_l), input_precision=PRECISION)
+    scores += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+    ok = tl.load(valid_row + offs_s, mask=s_in, other=0) != 0
+    ok = (ok | (offs_s == pos)) & s_in
+    scores = tl.where(ok[None, :], scores * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_l.dtype), k_l, input_precision=PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
 def mla_decode_split_kernel(
     q_ptr, kv_ptr, valid_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-    S, H, scale, stride_qb, stride_qh, stride_kb, stride_ks, stride_vb,
+    S, H, scale, stride_qb, stride_qh, stride_kb, stride_ks, stride_vb, SPLIT_LEN,
     LORA: tl.constexpr, ROPE: tl.constexpr, LORA_P: tl.constexpr, ROPE_P: tl.constexpr,
-    H_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    H_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, the scores
     # and the running max would turn fp64 inside the loop.
@@ -96,26 +122,25 @@ def mla_decode_split_kernel(
     m = tl.full([H_BLOCK], -1e30, tl.float32)  # finite: a fully masked block leaves m, denom as is
     denom = tl.zeros([H_BLOCK], tl.float32)
     acc = tl.zeros([H_BLOCK, LORA_P], tl.float32)
-    # A fixed trip count (pipelined loads); blocks past `end` are fully masked: no memory read.
-    for i in range(0, SPLIT_LEN // BLOCK):
-        offs_s = start + i * BLOCK + tl.arange(0, BLOCK)
-        s_in = offs_s < end
-        k_rows = kv_ptr + b * stride_kb + offs_s[:, None] * stride_ks
-        k_l = tl.load(k_rows + offs_l[None, :], mask=s_in[:, None] & (offs_l[None, :] < LORA),
-                      other=0.0)
-        k_r = tl.load(k_rows + LORA + offs_r[None, :],
-                      mask=s_in[:, None] & (offs_r[None, :] < ROPE), other=0.0)
-        scores = tl.dot(q_l, tl.trans(k_l), input_precision=PRECISION)
-        scores += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-        ok = tl.load(valid_ptr + b * stride_vb + offs_s, mask=s_in, other=0) != 0
-        ok = (ok | (offs_s == pos)) & s_in
-        scores = tl.where(ok[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_l.dtype), k_l, input_precision=PRECISION)
-        m = m_new
+    kv_row = kv_ptr + b * stride_kb
+    valid_row = valid_ptr + b * stride_vb
+    # The same trip count for every split; blocks past `end` are fully masked: no memory read.
+    # SPLIT_LEN is a runtime argument, so one binary serves every cache length. Compiled, a `for`
+    # loop (the pipeliner prefetches the next block's slots); Triton 3.6's interpreter holds
+    # scalars as 1-element arrays, which range() cannot take, so interpreted it is a `while`.
+    n_blocks = SPLIT_LEN // BLOCK
+    if INTERPRETED:
+        i = 0
+        while i < n_blocks:
+            m, denom, acc = attend_slot_block(m, denom, acc, i, start, end, pos, q_l, q_r, kv_row,
+                                              valid_row, stride_ks, scale, offs_l, offs_r, LORA,
+                                              ROPE, BLOCK, PRECISION)
+            i += 1
+    else:
+        for i in range(0, n_blocks):
+            m, denom, acc = attend_slot_block(m, denom, acc, i, start, end, pos, q_l, q_r, kv_row,
+                                              valid_row, stride_ks, scale, offs_l, offs_r, LORA,
+                                              ROPE, BLOCK, PRECISION)
     row = ((b * n_splits + split) * n_head_blocks + head_block) * H_BLOCK + tl.arange(0, H_BLOCK)
     tl.store(m_ptr + row, m)
     tl.store(l_ptr + row, denom)
@@ -129,11 +154,16 @@ def _sm_count(device_index: int) -> int:
 
 def split_layout(batch: int, heads: int, slots: int, device: torch.device) -> tuple[int, int]:
     """(splits a row, slots a split): about PROGRAMS_PER_SM programs an SM over the grid
-    (rows x splits x head blocks), each split a whole number of BLOCK_S blocks."""
+    (rows x splits x head blocks), each split a whole number of BLOCK_S blocks.
+
+    Under torch.compile with a dynamic cache length `slots` is symbolic: torch.sym_min/sym_max
+    keep the layout an expression of it instead of guarding on which bound wins, so caches of
+    every length share one compiled graph (a guard here recompiled the decode step per range)."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else CPU_PROGRAMS
     head_blocks = triton.cdiv(heads, HEAD_BLOCK)
     blocks = triton.cdiv(slots, BLOCK_S)
-    splits = max(1, min(blocks, triton.cdiv(PROGRAMS_PER_SM * sms, batch * head_blocks)))
+    splits = torch.sym_max(
+        1, torch.sym_min(blocks, triton.cdiv(PROGRAMS_PER_SM * sms, batch * head_blocks)))
     split_len = triton.cdiv(blocks, splits) * BLOCK_S
     return triton.cdiv(slots, split_len), split_len
 
@@ -160,10 +190,10 @@ def mla_decode_triton(
     wrap_triton(mla_decode_split_kernel)[(batch, splits, head_blocks)](
         q, kv, valid, pos, m, denom, acc,
         slots, heads, scale, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
-        valid.stride(0),
+        valid.stride(0), split_len,
         LORA=lora, ROPE=rope, LORA_P=lora_p, ROPE_P=rope_p, H_BLOCK=HEAD_BLOCK, BLOCK=BLOCK_S,
-        SPLIT_LEN=split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=triton.knobs.runtime.interpret, num_warps=4,
     )  # fmt: skip
     m, denom, acc = m[:, :, :heads], denom[:, :, :heads], acc[:, :, :heads, :lora]
     weight = torch.exp(m - m.amax(1, keepdim=True))  # [B, splits, heads]; empty splits give 0
