@@ -27,6 +27,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from titan_moe.ops.fp32_matmul import bmm_fp32
+
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_S = 64
 HEAD_BLOCK = 16  # tl.dot needs 16 rows; fewer heads are masked
@@ -47,21 +49,12 @@ def mla_decode_attention_naive(
     q: Tensor, kv: Tensor, valid: Tensor, pos: Tensor, scale: float, lora: int
 ) -> Tensor:
     """The reference: fp32 scores over every slot, masked, softmax, p (in kv's dtype) @ values."""
-    scores = _bmm_fp32(q.to(kv.dtype), kv.transpose(1, 2)) * scale  # [B, H, S]
+    scores = bmm_fp32(q.to(kv.dtype), kv.transpose(1, 2)) * scale  # [B, H, S]
     slot = torch.arange(kv.shape[1], device=kv.device)
     mask = valid | (slot == pos)
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     p = torch.softmax(scores, dim=-1).to(kv.dtype)
     return torch.bmm(p, kv[..., :lora]).to(q.dtype)
-
-
-def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b batched, in fp32: bf16/fp16 CUDA operands accumulate and return fp32 (cuBLAS, no
-    widened copy of the cache); elsewhere the operands are widened."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    wide = torch.promote_types(a.dtype, torch.float32)
-    return torch.bmm(a.to(wide), b.to(wide))
 
 
 @triton.jit
