@@ -1,16 +1,20 @@
 """Router GEMM precision: how many routes change with bf16 operands, and what it saves.
 
     python bench/router_precision.py            # H200: proxy flavor, seq 4096, real text
-    python bench/router_precision.py --smoke    # CPU: tiny debug model, bf16 output only
+    python bench/router_precision.py --smoke    # CPU: tiny debug model, seq 256
+    python bench/router_precision.py --device cpu --seq-len 1024   # CPU: the proxy
 
-The router computes its logits in fp32 (model/router.py). Candidates: bf16 operands with fp32
-accumulation and an fp32 output (`torch.mm(..., out_dtype=torch.float32)`, CUDA) and bf16
-operands with a bf16 output (plain autocast). Routes: for every MoE layer of a seeded model the
-router's input is captured on --seq-len tokens of Python source (this interpreter's standard
-library, tokenised by the flavor's tokenizer) in one bf16-autocast forward; each candidate's
-top-k of σ(logits) (bias 0) is compared with fp32's as expert sets per token: the share of tokens
-whose set changes, and of (token, slot) pairs whose expert changes. Time: the router GEMM alone
-at --gemm-shape (the routing issue's T 16384, d 7168, E 896), median of --iters. Prints a table,
+The router's logits are fp32 (model/router.py); its weight is fp32, its input bf16 under mixed
+precision. Candidates against the fp32 GEMM: the router's default split_bf16 (two bf16 GEMMs
+against the weight's high and low bf16 parts, fp32 output: ops/split_bf16_linear.py), one GEMM
+of bf16 operands with fp32 accumulation and output (`mm_fp32`), and bf16 operands with a bf16
+output (plain autocast). Routes: for every MoE layer of a seeded model the router's input is
+captured on --seq-len tokens of Python source (this interpreter's standard library, tokenised by
+the flavor's tokenizer) in one forward, bf16 autocast on CUDA (on the CPU the captured inputs
+are rounded to bf16, as the GPU's would be); each candidate's top-k of σ(logits) (bias 0) is
+compared with fp32's as expert sets per token: the share of tokens whose set changes, and of
+(token, slot) pairs whose expert changes. Time: the router GEMM alone, bf16 activations, at
+--gemm-shape (the routing issue's T 16384, d 7168, E 896), median of --iters. Prints a table,
 writes JSON. An untrained model's activations are what is measured: say so when quoting it.
 """
 
@@ -30,10 +34,16 @@ from titan_moe.data.tokenizer import FLAVOR_VOCAB_SIZE, TitanTokenizer, asset_pa
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.router import Router
+from titan_moe.ops.fp32_matmul import mm_fp32
+from titan_moe.ops.split_bf16_linear import split_bf16_linear
+
+
+def split_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return split_bf16_linear(x.bfloat16(), w.float())
 
 
 def bf16_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.mm(x.bfloat16(), w.bfloat16().t(), out_dtype=torch.float32)
+    return mm_fp32(x.bfloat16(), w.bfloat16().t())
 
 
 def bf16_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -68,7 +78,7 @@ def router_inputs(opts, device: str) -> list[tuple[torch.Tensor, Router]]:
         model(tokens)
     for h in hooks:
         h.remove()
-    return captured
+    return [(x.to(torch.bfloat16), router) for x, router in captured]
 
 
 def changed_routes(x: torch.Tensor, router: Router, gemm) -> dict:
@@ -82,6 +92,7 @@ def changed_routes(x: torch.Tensor, router: Router, gemm) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU: debug flavor, seq 256")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--flavor", default="proxy", choices=("debug", "proxy"))
     parser.add_argument("--seq-len", type=positive, default=4096)
     parser.add_argument("--gemm-shape", default="16384,7168,896", help="T,d,E")
@@ -93,14 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         opts.flavor, opts.seq_len, opts.gemm_shape, opts.iters = "debug", 256, "256,256,16", 2
     if opts.seq_len < 1 or opts.iters < 1:
         parser.error("--seq-len and --iters must be >= 1")
-    device = "cuda" if torch.cuda.is_available() and not opts.smoke else "cpu"
-    gemms = {"fp32": fp32, "bf16_out": bf16_out}
-    if device == "cuda":
-        gemms["bf16_fp32_out"] = bf16_fp32_out
+    device = "cpu" if opts.smoke else opts.device
+    gemms = {"fp32": fp32, "split_bf16": split_bf16, "bf16_fp32_out": bf16_fp32_out,
+             "bf16_out": bf16_out}
     captured = router_inputs(opts, device)
     rows = []
     t, d, e = (int(v) for v in opts.gemm_shape.split(","))
-    x = torch.randn(t, d, device=device)
+    x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
     w = 0.02 * torch.randn(e, d, device=device)
     for name, gemm in gemms.items():
         per_layer = [changed_routes(xi, r, gemm) for xi, r in captured]

@@ -16,6 +16,7 @@ from typing import Any
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_moe.config_types import type_name, value_matches
+from titan_moe.model.router import ROUTER_GEMMS
 from titan_moe.ops.kda import CHUNK_SIZE as KDA_CHUNK_SIZE
 from titan_moe.ops.kda import KDA_BACKENDS
 from titan_moe.ops.kda.fla_backend import FLA_INSTALL_HINT, FLA_INSTALLED
@@ -121,6 +122,10 @@ class TitanMoEArgs(BaseModelArgs):
     qb_bins: int = 1000
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
+    # The router GEMM (model/router.py ROUTER_GEMMS): "split_bf16" runs bf16 activations as two
+    # bf16 GEMMs against the fp32 weight's high and low parts (fp32-accurate, tensor cores);
+    # "fp32" widens them for one fp32 GEMM. Either way the logits are fp32.
+    router_gemm: str = "split_bf16"
     # Long context: run each MoE layer over chunks of this many (flattened) tokens, each under
     # its own activation checkpoint, so backward holds one chunk's expert buffers; 0: no chunks.
     moe_token_chunk: int = 0
@@ -191,6 +196,8 @@ class TitanMoEArgs(BaseModelArgs):
              f"must hold the KDA conv's {self.kda_conv_size - 1} taps carried to the next "
              f"segment (kda_conv_size - 1), or be 0")
         need(self.route_scale > 0, "route_scale", "must be > 0")
+        need(self.router_gemm in ROUTER_GEMMS, "router_gemm",
+             f"must be one of {', '.join(ROUTER_GEMMS)}")
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "situ_beta1",
              "situ_beta1 and situ_beta2 must be > 0")
         mla = tuple(self.mla_layers)

@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
                 expert_hidden=args.expert_hidden, shared_hidden=args.shared_hidden,
                 route_scale=args.route_scale, beta1=args.situ_beta1, beta2=args.situ_beta2,
                 norm_eps=args.norm_eps, n_bins=args.qb_bins, layer_id=layer_id,
-                token_chunk=args.moe_token_chunk,
+                token_chunk=args.moe_token_chunk, router_gemm=args.router_gemm,
             )
         else:
             self.ffn = SiTUGLU(args.dim, args.dense_hidden, args.situ_beta1, args.situ_beta2,

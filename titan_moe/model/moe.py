@@ -117,6 +117,7 @@ class LatentMoE(nn.Module):
         layer_id: int = 0,
         group_align: int = 8,
         token_chunk: int = 0,
+        router_gemm: str = "split_bf16",
     ):
         super().__init__()
         if group_align < 1:
@@ -127,7 +128,7 @@ class LatentMoE(nn.Module):
         self.top_k = top_k
         self.group_align = group_align
         self.token_chunk = token_chunk
-        self.router = Router(dim, n_experts, top_k, route_scale, n_bins, layer_id)
+        self.router = Router(dim, n_experts, top_k, route_scale, n_bins, layer_id, router_gemm)
         self.w_down = nn.Linear(dim, latent_dim, bias=False)
         self.experts = GroupedExperts(n_experts, latent_dim, expert_hidden, beta1, beta2)
         self.norm = RMSNorm(latent_dim, eps=norm_eps)

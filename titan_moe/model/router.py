@@ -1,10 +1,14 @@
 """Sigmoid top-k router with the Quantile Balancing bias (spec §5, §6).
 
-    s = σ(W_r x)                         fp32, on the full-width FFN input
+    s = σ(W_r x)                         fp32-accurate, on the full-width FFN input
     I = topk(s + b, k)                   b: QB bias, no gradient; ties go to the lower expert index
     p_e = ρ · s_e / Σ_{j∈I} s_j,  e ∈ I  combine weights from the unbiased scores
 
-The router GEMM runs here; everything after the logits (σ, the top-(k+1), the weights, the QB
+The router GEMM runs here. Its weight is fp32 (an fp32 FSDP unit); bf16 activations, as mixed
+precision gives them, go through `split_bf16_linear` (gemm "split_bf16", the default): two bf16
+GEMMs against the weight's high and low bf16 parts, fp32-accurate on tensor cores. Otherwise
+(gemm "fp32", fp32 or float64 activations) the activations are widened for one GEMM in the
+weight's precision. Everything after the logits (σ, the top-(k+1), the weights, the QB
 histogram of r = alpha - s and the expert load) is `titan_moe.ops.router.qb_route`, one Triton
 pass on CUDA. The statistics are added to this router's buffers on training forwards that are
 not activation-checkpoint recomputes.
@@ -15,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_moe.ops.router import qb_route
+from titan_moe.ops.split_bf16_linear import split_bf16_linear
+
+ROUTER_GEMMS = ("split_bf16", "fp32")
 
 
 def _in_backward() -> bool:
@@ -54,10 +61,14 @@ class Router(nn.Module):
         route_scale: float = 1.0,
         n_bins: int = 1000,
         layer_id: int = 0,
+        gemm: str = "split_bf16",
     ):
         super().__init__()
         if not 0 < top_k < n_experts:
             raise ValueError(f"need 0 < top_k < n_experts, got top_k={top_k}, E={n_experts}")
+        if gemm not in ROUTER_GEMMS:
+            raise ValueError(f"gemm must be one of {ROUTER_GEMMS}, got {gemm!r}")
+        self.gemm = gemm
         self.n_experts = n_experts
         self.top_k = top_k
         self.route_scale = route_scale
@@ -83,9 +94,12 @@ class Router(nn.Module):
 
         Logits and weights are fp32 (float64 for float64 x, as in the exactness tests).
         """
-        compute_dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(compute_dtype), self.weight.to(compute_dtype))
+            if self.gemm == "split_bf16" and x.dtype == torch.bfloat16:
+                logits = split_bf16_linear(x, self.weight.float())
+            else:
+                compute_dtype = torch.promote_types(x.dtype, torch.float32)
+                logits = F.linear(x.to(compute_dtype), self.weight.to(compute_dtype))
         expert_ids, weights, hist, load = qb_route(
             logits, self.expert_bias, self.top_k, self.route_scale, self.n_bins, valid,
             with_histogram=self.training,
