@@ -4,21 +4,26 @@ Chunks are patched to 1 KiB (reads to 300 B, so a chunk takes several unaligned 
 reference digest of a chunk is hashlib.sha256 over that byte range read on its own; the reference
 split is none: two gloo ranks must together read every byte of every file exactly once, and their
 manifest must equal the one-process manifest byte for byte (as JSON). Digests are exact; there is
-no tolerance.
+no tolerance. The last test runs the trainer itself on two gloo processes (default chunks): the
+save and the resume go through VerifiedCheckpoints on both ranks.
 """
 
 import dataclasses
 import hashlib
 import json
+import os
 import random
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
 from tests.train.manifest_ranks import Args, flip_byte, two_ranks
+from tests.train.test_checkpoint_resume import REPO, TINY
 from titan_moe.train import checkpoint_verify as cv
 
 CHUNK = 1024
@@ -176,3 +181,42 @@ def test_two_ranks_hash_disjoint_shares_and_agree(tmp_path, small_chunks):
                 f"{size}")
     assert [rank["error"] for rank in ranks] == [expected, expected]
     assert [rank["resume"] for rank in ranks] == [1, 1]
+
+
+def train_two_ranks(dump: Path, steps: int) -> str:
+    """The resume tests' tiny run on two gloo processes (FSDP over both), saving every step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "titan_moe.train", *TINY, "--checkpoint.interval", "1",
+         "--training.steps", str(steps), "--job.dump_folder", str(dump)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    return log
+
+
+@pytest.mark.slow
+def test_the_trainer_on_two_ranks_writes_and_verifies_format_2(tmp_path):
+    """Both ranks' shards are in the manifest, each chunk's digest that of hashlib over its
+    range; a damaged shard makes both ranks skip that step and load the one before."""
+    train_two_ranks(tmp_path, 2)
+    step_dir = tmp_path / "checkpoint" / "step-2"
+    written = manifest(step_dir)
+    assert written["format"] == 2
+    assert set(written["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    for name, want in written["files"].items():
+        assert want == {"bytes": (step_dir / name).stat().st_size,
+                        "chunk_bytes": cv.CHUNK_BYTES,
+                        "sha256": reference_digests(step_dir / name, cv.CHUNK_BYTES)}, name
+    shard = step_dir / "__1_0.distcp"
+    size = shard.stat().st_size  # less than a chunk: one chunk
+    flip_byte(shard, size // 2)
+    log = train_two_ranks(tmp_path, 3).splitlines()
+    skip = (f"Skipping checkpoint step-2: {shard} is damaged: its sha256 differs from the "
+            f"manifest's in chunk 0 of 1, bytes [0, {size}) of {size}")
+    assert [line.split(" - WARNING - ", 1)[1] for line in log
+            if " - WARNING - Skipping" in line] == [skip, skip]
+    loaded = [line.rstrip(".").split()[-1] for line in log if "Loading the checkpoint" in line]
+    assert loaded == [str(tmp_path / "checkpoint" / "step-1")] * 2
