@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import socket
@@ -136,6 +137,19 @@ def test_the_split_balances_bytes_and_is_a_partition():
     assert sorted((c for s in shares for c in s), key=key) == sorted(chunks, key=key)
     loads = [sum(c.length for c in s) for s in shares]
     assert max(loads) - min(loads) <= CHUNK, loads
+
+
+def test_an_error_that_cannot_travel_between_ranks_travels_as_its_message():
+    class Unpicklable(OSError):
+        def __init__(self) -> None:
+            super().__init__("disk gone")
+            self.handle = lambda: None
+
+    assert repr(cv._portable(Unpicklable())) == repr(RuntimeError("Unpicklable: disk gone"))
+    damaged = cv._Failure("bad chunk", (2, 1))
+    assert cv._portable(damaged) is damaged
+    copy = pickle.loads(pickle.dumps(damaged))  # its place in the manifest travels with it
+    assert (type(copy), str(copy), copy.order) == (cv._Failure, "bad chunk", (2, 1))
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ import hashlib
 import heapq
 import json
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,16 @@ def share(chunks: Iterable[Chunk], rank: int, world: int) -> list[Chunk]:
     return mine
 
 
+def _portable(error: Exception) -> Exception:
+    """error, or a RuntimeError with its type and message if it does not survive pickling: an
+    object collective would fail on some ranks only, leaving the others waiting."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # any failure to round-trip: the message still travels
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
 def _on_rank0(compute: Callable[[], Any]) -> Any:
     """compute() run on rank 0 only (a listing or a write done once) and its result, or its
     error, handed to every rank, so that no rank is left waiting in a collective."""
@@ -185,7 +196,7 @@ def _on_rank0(compute: Callable[[], Any]) -> Any:
         try:
             outcome = [(compute(), None)]
         except Exception as e:  # any error: re-raised on every rank below
-            outcome = [(None, e)]
+            outcome = [(None, _portable(e))]
     dist.broadcast_object_list(outcome, src=0)
     result, error = outcome[0]
     if error is not None:
@@ -204,7 +215,7 @@ def _agreed(compute: Callable[[], Any]) -> Any:
         errors = [error]
     else:
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, None if error is None else _portable(error))
     raised = [(getattr(e, "order", ()), rank, e) for rank, e in enumerate(errors) if e is not None]
     if raised:
         raise min(raised, key=lambda t: t[:2])[2]
@@ -234,7 +245,8 @@ def write_manifest(step_dir: Path, model_args: Any) -> None:
     outcomes = [outcome]
     if world > 1:
         outcomes = [None] * world if rank == 0 else None
-        dist.gather_object(outcome, outcomes, dst=0)
+        part, error = outcome
+        dist.gather_object((part, None if error is None else _portable(error)), outcomes, dst=0)
 
     def write() -> None:
         digests: dict[Chunk, str] = {}
