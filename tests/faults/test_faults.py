@@ -92,15 +92,18 @@ def cut_short(step_dir: Path) -> str:
 
 
 def assert_verifies(step_dir: Path) -> None:
-    """The step folder has a manifest naming every other file in it, each of that size and
-    sha256 (what a resume checks before it loads the step)."""
+    """The step folder has a manifest (format 2) naming every other file in it, each of that
+    size and the sha256 of each of its chunks (what a resume checks before it loads the step)."""
     manifest = json.loads((step_dir / MANIFEST).read_text())
+    assert manifest["format"] == 2, step_dir
     files = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
              if p.is_file() and p.name != MANIFEST}
     assert set(manifest["files"]) == files, (step_dir, sorted(manifest["files"]), sorted(files))
     for name, want in manifest["files"].items():
-        data = (step_dir / name).read_bytes()
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (want["bytes"], want["sha256"]), (
+        data, chunk = (step_dir / name).read_bytes(), want["chunk_bytes"]
+        digests = [hashlib.sha256(data[s:s + chunk]).hexdigest()
+                   for s in range(0, len(data), chunk)]
+        assert (len(data), digests) == (want["bytes"], want["sha256"]), (
             f"{step_dir / name} does not match its manifest")
 
 
@@ -191,7 +194,9 @@ def flip_a_byte(shard: Path) -> str:
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0xFF]))
-    return f"{shard} is damaged: its sha256 differs from the manifest's"
+    size = shard.stat().st_size  # less than a chunk: one chunk
+    return (f"{shard} is damaged: its sha256 differs from the manifest's in chunk 0 of 1, "
+            f"bytes [0, {size}) of {size}")
 
 
 def truncate(shard: Path) -> str:

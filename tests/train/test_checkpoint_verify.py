@@ -90,7 +90,9 @@ def test_a_flipped_byte_names_the_shard_and_resume_falls_back(checkpoints, capsy
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0xFF]))
-    damaged = f"{shard} is damaged: its sha256 differs from the manifest's"
+    size = shard.stat().st_size  # less than a chunk: one chunk
+    damaged = (f"{shard} is damaged: its sha256 differs from the manifest's in chunk 0 of 1, "
+               f"bytes [0, {size}) of {size}")
     with pytest.raises(CheckpointError, match=re.escape(damaged)):
         train(checkpoints.parent, 2, "--checkpoint.load_step", "2")
     assert resume(checkpoints, capsys) == ("step-1", [f"Skipping checkpoint step-2: {damaged}"])
