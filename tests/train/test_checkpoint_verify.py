@@ -139,3 +139,24 @@ def test_a_temporary_manifest_left_by_a_killed_save_is_not_listed(tmp_path):
     write_manifest(tmp_path, Args())
     assert {p.name for p in tmp_path.iterdir()} == {SHARD, MANIFEST}
     verify_checkpoint(tmp_path, Args())
+
+
+def test_implementation_args_are_not_compared(tmp_path):
+    """A checkpoint saved before router_gemm existed, or with another KDA backend, router GEMM or
+    sequence length, verifies: none of them shapes a weight. A field that does still raises."""
+
+    @dataclasses.dataclass
+    class Args:
+        dim: int = 8
+        max_seq_len: int = 64
+        kda_backend: str = "auto"
+
+    @dataclasses.dataclass
+    class Later(Args):
+        router_gemm: str = "split_bf16"
+
+    (tmp_path / SHARD).write_bytes(b"shard bytes")
+    write_manifest(tmp_path, Args())
+    verify_checkpoint(tmp_path, Later(max_seq_len=128, kda_backend="fla", router_gemm="fp32"))
+    with pytest.raises(ModelArgsMismatch, match="dim: checkpoint 8 vs config 16"):
+        verify_checkpoint(tmp_path, Later(dim=16))

@@ -69,8 +69,9 @@ READ_BYTES = 8 << 20
 # More threads than this gain nothing on one node's disk or page cache.
 MAX_THREADS = 16
 # Model args that may differ between save and load: max_seq_len follows training.seq_len
-# (context stages grow it), kda_backend picks a kernel implementation; neither shapes a weight.
-UNCOMPARED_ARGS = frozenset({"max_seq_len", "kda_backend"})
+# (context stages grow it), kda_backend and router_gemm pick a kernel implementation; none of
+# them shapes a weight.
+UNCOMPARED_ARGS = frozenset({"max_seq_len", "kda_backend", "router_gemm"})
 _ABSENT = "<absent>"
 
 
