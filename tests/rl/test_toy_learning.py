@@ -1,13 +1,15 @@
 """GRPO on the toy env (reward = share of 'a' in the actions, two turns) from a seeded random
 tiny model: the mean reward of the last 5 of 30 updates beats the first 5 by more than 0.4
 (the run goes from about 0.07 to about 1.0); the TensorBoard tags are written; a checkpoint is
-saved. Also: a crashing environment costs its own trajectory only; rollouts through the static
-cache stay within its slot bound; compiled rollouts under autocast train and log their speeds."""
+saved with its manifest and loads verified, with the trained weights. Also: a crashing
+environment costs its own trajectory only; rollouts through the static cache stay within its
+slot bound; compiled rollouts under autocast train and log their speeds."""
 
 import dataclasses
 import math
 import random
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from titan_moe.rl.config import load_rl_config
@@ -15,6 +17,7 @@ from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
 from titan_moe.rl.rollout import rollout
 from titan_moe.serve.generate import Generator, Sampling, load_model
 from titan_moe.serve.static_decode import StaticGenerator
+from titan_moe.train.checkpoint_verify import verify_checkpoint
 
 TINY = {"vocab_size": 16, "dim": 64, "n_layers": 2, "mla_layers": [2], "dense_hidden": 64,
         "n_heads": 2, "head_dim": 16, "kda_gate_rank": 16, "mla_n_heads": 2, "q_lora_rank": 32,
@@ -43,7 +46,13 @@ def test_mean_reward_rises(tmp_path):
     events.Reload()
     for tag in ("rl/reward", "rl/success_rate", "rl/trajectory_length", "rl/kl", "rl/entropy"):
         assert len(events.Scalars(tag)) == 30, tag
-    assert (tmp_path / "checkpoint" / "step-30" / ".metadata").is_file()
+    saved = tmp_path / "checkpoint" / "step-30"
+    assert (saved / ".metadata").is_file()
+    # The save carries the trainer's manifest: generate verifies it and loads these weights.
+    args = _config(tmp_path, 30).model_args()
+    verify_checkpoint(saved, args)
+    trained, initial = load_model(saved, args), load_model(None, args)
+    assert not torch.equal(trained.output.weight, initial.output.weight)
 
 
 class CrashingEnv(TargetCharEnv):

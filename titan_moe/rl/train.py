@@ -42,6 +42,7 @@ from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs
 from titan_moe.rl.rollout import Trajectory, rollout
 from titan_moe.serve.generate import Generator, Sampling, load_model
 from titan_moe.serve.static_decode import StaticGenerator
+from titan_moe.train.checkpoint_verify import write_manifest
 from titan_moe.train.optimizer import all_reduce_qb_stats
 
 
@@ -107,8 +108,11 @@ def update(
 
 
 def save(model: TitanMoE, folder: Path, step: int) -> Path:
+    """A DCP checkpoint of the policy, with the trainer's manifest (its files' chunk digests and
+    the model args), so serve/generate.py and a later RL run verify it before loading it."""
     path = folder / f"step-{step}"
     dcp.save(model.state_dict(), checkpoint_id=str(path))
+    write_manifest(path, model.args)
     return path
 
 
