@@ -18,7 +18,10 @@ At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters
   torch         σ + torch.topk(k+1) + renormalised weights + the scatter histogram (qb_histogram),
                 what the op replaces;
   gemm+σ        the router GEMM x [T, d] @ W^T in fp32, and σ;
-  router        the whole Router forward (GEMM, op, statistics).
+  split gemm+σ  the router's default GEMM of bf16 x (ops/split_bf16_linear.py: two bf16 GEMMs
+                against W's high and low bf16 parts, fp32 output), and σ;
+  router        the whole Router forward (GEMM, op, statistics) on bf16 x, as mixed precision
+                gives it: its default split_bf16 GEMM, and with router_gemm "fp32" (router fp32).
 The floor is the op's compulsory bytes (logits read, ids and weights written, the histogram
 zeroed and counted) over the measured copy bandwidth. --static compiles each launch shape for
 --arch with no GPU (Triton ships ptxas and nvdisasm) and reports registers, spills, barriers and
@@ -40,6 +43,7 @@ from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.router import Router
 from titan_moe.ops.router import qb_route
 from titan_moe.ops.router.histogram import qb_histogram
+from titan_moe.ops.split_bf16_linear import split_bf16_linear
 
 # The package exports the op under the module's name, so import the module by its path.
 qb_module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
@@ -132,7 +136,15 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
     rows.append({"impl": "torch", "ms": event_timed(torch_route, "cuda", warmup, iters)})
     rows.append({"impl": "gemm+σ", "ms": event_timed(
         lambda: torch.sigmoid(x @ router.weight.t()), "cuda", warmup, iters)})
-    rows.append({"impl": "router", "ms": event_timed(lambda: router(x), "cuda", warmup, iters)})
+    x_bf16 = x.bfloat16()
+    rows.append({"impl": "split gemm+σ", "ms": event_timed(
+        lambda: torch.sigmoid(split_bf16_linear(x_bf16, router.weight)), "cuda", warmup, iters)})
+    rows.append({"impl": "router", "ms": event_timed(lambda: router(x_bf16), "cuda", warmup,
+                                                     iters)})
+    router_fp32 = Router(d, experts, k, gemm="fp32").cuda().train()
+    router_fp32.load_state_dict(router.state_dict())
+    rows.append({"impl": "router fp32", "ms": event_timed(lambda: router_fp32(x_bf16), "cuda",
+                                                          warmup, iters)})
     return rows
 
 
