@@ -57,8 +57,9 @@ what the compiled CUDA step runs: the Triton ops themselves (AttnRes, short conv
 dispatch and combine: their fake kernels run on meta and their autograd saves what CUDA saves),
 stand-ins for flash attention (q, k, v, out, fp32 logsumexp), the KDA op (its inputs) and
 torch._grouped_mm (its operands), and SiTU-GLU and RMSNorm as Inductor fuses them (inputs only).
-Approximate: the other eager elementwise saves inside the mixers and the router's fp32 input
-copy (Inductor may recompute them: the plan is high there), the backward's transient as twice
+Approximate: the other eager elementwise saves inside the mixers, and with router_gemm "fp32"
+the router's fp32 input copy (Inductor may recompute them: the plan is high there; the default
+split_bf16 GEMM saves the bf16 input itself), the backward's transient as twice
 the largest saved tensor or the KDA op's or MLA's key-segment attention's workspace (counted
 on meta, op_workspace.py, Flash's fp32 dq accumulator added by hand; other ops' workspaces are
 not), MLA's gathered prefix under CP (not counted), allocator fragmentation
