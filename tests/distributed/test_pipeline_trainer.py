@@ -6,10 +6,21 @@ global batches (tests/distributed/pipeline_spec.py).
     pp2_interleaved  Interleaved1F1B, 4 stages of one layer (cuts inside blocks too)
     pp2_dp2          1F1B x FSDP2 over dp_shard = 2 (4 processes)
     pp2_ep2          1F1B x EP 2 on dp_shard = 2 (4 processes)
+    *_chunked        pp2, pp2_interleaved, pp2_dp2 with training.loss_chunk = 32: the last
+                     stage returns its normed hidden states and its loss is the chunked LM-head
+                     cross-entropy, 2 chunks of a micro-batch's 64 tokens
 
 Every layout's per-step loss equals one process's within rtol 2e-5: they differ only in fp32
 summation order (micro-batch gradients summed one by one, FSDP's reduce-scatter, EP's regrouped
 expert GEMMs), a few ulps per step; a wrong loss scale, stage or dispatch moves them by > 1e-3.
+The chunked layouts are compared with the same tolerances against the full-logits one process:
+both losses are fp32 sums of fp32 log-sum-exps minus target logits of the same products, and the
+head weight's gradient the same products summed by chunk, so only the summation order differs
+(observed at most 1.8e-7 relative in the loss and 2e-7 in the grad norm, as in the full-logits
+layouts). Checked by hand on pp2_chunked: the chunked loss not divided by the token count logs
+losses of 1341 for 5.24; the head weight's gradient dropped, step 2's loss is 7e-4 off and
+every grad norm about half. Each chunked layout asserts its ranks holding the last stage logged
+the chunked loss, so a run that fell back to the full logits fails too.
 max_norm 0.5 is below every step's grad norm (0.6 to 0.8), so every step clips, inside the fused
 AdamW kernel (titan_moe/train/step_guard.py); the logged grad norm, reduced over the stages (and
 the expert and dense meshes), matches one process's within rtol 1e-5 (observed 2e-7).
@@ -73,6 +84,9 @@ LAYOUTS = {  # name: (processes, arguments); 4 global rows of 64 tokens in every
     "pp2_ep2": (4, [*PP2, "--training.local_batch_size", "2",
                     "--parallelism.expert_parallel_degree", "2"]),
 }
+CHUNKED = ["--training.loss_chunk", "32"]
+LAYOUTS |= {f"{name}_chunked": (LAYOUTS[name][0], [*LAYOUTS[name][1], *CHUNKED])
+            for name in ("pp2", "pp2_interleaved", "pp2_dp2")}
 # Bytes a micro-batch (1 row of 64 tokens, d 64, fp32) sends across a cut before layer i:
 # ceil(i / 2) + 1 hidden states of 64 x 64 x 4 B = 16384 B, and 64 int32 doc_ids = 256 B.
 CUT_BYTES = {
@@ -144,6 +158,9 @@ def test_losses_biases_and_violation_match_one_process(runs, name):
     assert sorted(norm) == sorted(want_norm) and min(want_norm.values()) > MAX_NORM
     for step in want_norm:
         assert norm[step] == pytest.approx(want_norm[step], rel=NORM_RTOL), step
+    chunked_logs = runs[name][1].count("pipeline loss: the last stage's chunked LM-head")
+    # Logged once by each rank holding the last stage (pp2_dp2: two).
+    assert chunked_logs == (LAYOUTS[name][0] // 2 if name.endswith("_chunked") else 0)
     want_biases, got_biases = biases(reference), biases(got)
     assert len(got_biases) == STEPS and sorted(got_biases[0]) == list(MOE_LAYERS)
     for step, (g, w) in enumerate(zip(got_biases, want_biases, strict=True), start=1):

@@ -281,7 +281,7 @@ def test_train_entrypoint_exits_2_on_bad_type(monkeypatch, capsys):
 
 
 PP2 = ["--training.device", "cpu", "--parallelism.pipeline_parallel_degree", "2"]
-PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2' and the full-logits loss"
+PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2'"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -291,9 +291,6 @@ PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2' and the fu
     (["--parallelism.sharding", "simple_fsdp"],
      "parallelism.pipeline_parallel_degree = 2 does not support "
      "parallelism.sharding = 'simple_fsdp'" + PP_UNSUPPORTED),
-    (["--training.loss_chunk", "32"],
-     "parallelism.pipeline_parallel_degree = 2 does not support training.loss_chunk > 0"
-     + PP_UNSUPPORTED),
     (["--training.activation_offload", "--activation_checkpoint.mode", "full"],
      "parallelism.pipeline_parallel_degree = 2 does not support training.activation_offload"
      + PP_UNSUPPORTED),
@@ -329,6 +326,8 @@ def test_supported_pipeline_layouts_parse(monkeypatch):
     parse_job_config([*PP2, "--parallelism.expert_parallel_degree", "2"])
     parse_job_config([*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                       "--parallelism.pipeline_parallel_layers_per_stage", "2"])
+    # The last stage's loss is the chunked LM-head cross-entropy.
+    assert parse_job_config([*PP2, "--training.loss_chunk", "32"]).training.loss_chunk == 32
     # The vision tower sits on the first stage: image batches train under PP.
     config = parse_job_config([*PP2, "--titan_moe.vision", "debug",
                                "--training.image_data", "digits"])

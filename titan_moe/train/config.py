@@ -257,7 +257,8 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
     """PP runs StageModules (titan_moe/parallel/pipeline.py) on the looped schedules tested
     against one process (parallel/pipeline_schedule.py). Image batches train (the vision tower
     sits on the first stage); the multimodal eval does not, it runs the whole model on one rank,
-    which a pipeline rank does not hold."""
+    which a pipeline rank does not hold. `training.loss_chunk` > 0 trains: the last stage
+    returns its normed hidden states and its loss applies the head's weight by chunks."""
     parallelism, training = job_config.parallelism, job_config.training
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
@@ -265,7 +266,6 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
     unsupported = {
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
-        "training.loss_chunk > 0": training.loss_chunk > 0,
         "training.activation_offload": training.activation_offload,
         "multimodal_eval.freq > 0": job_config.multimodal_eval.freq > 0,
         "eval.long_context": job_config.eval.long_context,
@@ -279,7 +279,7 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
         if on:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_degree = {pp} does not support {name}; pipeline "
-                "parallelism runs with sharding = 'fsdp2' and the full-logits loss")
+                "parallelism runs with sharding = 'fsdp2'")
     schedule = parallelism.pipeline_parallel_schedule
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {schedule!r} is not "

@@ -18,8 +18,9 @@ one step later, or at the next log step or checkpoint save.
 
 `parallelism.pipeline_parallel_degree` = pp > 1: the model runs as pipeline stages cut on AttnRes
 block boundaries (parallel/pipeline_schedule.py; README "Pipeline parallelism"), the loss and
-gradients are the non-pipelined step's, Quantile Balancing runs per stage and its metrics are
-gathered over the pipeline ranks.
+gradients are the non-pipelined step's (with `training.loss_chunk`, the last stage's loss is
+the chunked one), Quantile Balancing runs per stage and its metrics are gathered over the
+pipeline ranks.
 
 `training.loss_chunk` > 0: the loss is the chunked LM-head cross-entropy (chunked_loss.py), the
 [T, vocab] logits are never whole. `parallelism.context_parallel_degree` = cp > 1: each rank of a
@@ -266,9 +267,12 @@ class TitanMoETrainer(PlatformTrainer):
                 f"parallelism {'on' if dims.pp_enabled else 'off'}; set "
                 "training.global_batch_size to local_batch_size x data-parallel degree, "
                 "pipeline_parallel_degree = 1, or compile.cudagraphs = false")
-        self.head = getattr(self.model_parts[0], "output", None)
-        if job_config.training.loss_chunk:
+        # The head sits on the last part: under PP, this rank's last stage when it is the
+        # model's last (None on the other pipeline ranks).
+        self.head = getattr(self.model_parts[-1], "output", None)
+        if job_config.training.loss_chunk and not dims.pp_enabled:
             # The validator keeps the full-logits loss: it runs the model outside the step.
+            # Under PP the schedule holds the loss (pipeline_schedule.stage_loss).
             self.loss_fn = ChunkedCrossEntropy(self.head, job_config.training.loss_chunk)
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         self.cp_group = cp_mesh.get_group() if cp_mesh is not None else None
@@ -307,7 +311,8 @@ class TitanMoETrainer(PlatformTrainer):
         """One batch through the pipeline schedule; the loss is sum(CE) / global tokens, summed
         over the micro-batches on the last stage's ranks (TokenMeanLoss scales inside the
         schedule, where torchtitan's pipelined step would backpropagate unscaled sums), 0 on the
-        other ranks, which hold no loss (metrics are logged from the last stage)."""
+        other ranks, which hold no loss (metrics are logged from the last stage). With
+        `training.loss_chunk` the sum is the chunked cross-entropy's (stage_loss)."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             input_dict, labels)
         loss_fn = self.pp_schedule._loss_fn
@@ -316,7 +321,11 @@ class TitanMoETrainer(PlatformTrainer):
         loss_fn.tokens = global_valid_tokens
         first, last = self.pp_has_first_stage, self.pp_has_last_stage
         losses: list[torch.Tensor] | None = [] if last else None
-        with self.train_context():
+        # With the chunked loss the last stage returns its normed hidden states, also in the
+        # first step's shape inference, which runs inside step().
+        chunked = self.job_config.training.loss_chunk and self.head is not None
+        with self.train_context(), (hidden_from_head(self.head) if chunked
+                                    else contextlib.nullcontext()):
             self.pp_schedule.step(*((inputs,) if first else ()),
                                   **(extra_inputs if first else {}), **extra_kwargs,
                                   target=labels if last else None, losses=losses,
