@@ -12,10 +12,11 @@ The loss. torchtitan's non-pipelined step backpropagates sum(CE) / the global ba
 count; its pipelined step backpropagates each micro-batch's sum(CE) unscaled (scale_grads=False)
 and divides only the logged loss. `TokenMeanLoss` divides inside the schedule, so the gradients
 are one process's (the trainer sets its token count every step and logs the sum it returns).
-With `training.loss_chunk` > 0 the last stage's loss is the chunked LM-head cross-entropy
-(train/chunked_loss.py) with that stage's head weight: the trainer runs the schedule inside
-`hidden_from_head`, so the last stage returns the normed hidden states [mb, T, d] (what torch's
-first-step shape inference then records as its output) and the [T, vocab] logits never exist.
+With `training.loss_chunk` > 0 the trainer puts the chunked LM-head cross-entropy
+(train/chunked_loss.py, with the last stage's head weight) inside the TokenMeanLoss of the rank
+holding the last stage and runs the schedule inside `hidden_from_head`, so the last stage returns
+the normed hidden states [mb, T, d] (what torch's first-step shape inference then records as its
+output) and the [T, vocab] logits never exist.
 
 Start-up logs the bytes each cut sends forward per micro-batch (`boundary_bytes`).
 """
@@ -40,7 +41,6 @@ from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.router import Router
 from titan_moe.parallel.pipeline import StageModule, boundary_bytes, model_stages
-from titan_moe.train.chunked_loss import ChunkedCrossEntropy
 
 # Schedules whose stage placement is torch's looped one (rank r: stages r, r + pp, ...), the
 # ones tested against one process (tests/distributed/test_pipeline_trainer.py).
@@ -87,24 +87,6 @@ class RoutedPipelineStage(PipelineStage):
         for module in self.submod.modules():
             if isinstance(module, Router):
                 module.reset_qb_stats()
-
-
-def stage_loss(
-    parts: list[nn.Module],
-    job_config: JobConfig,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The summed loss of the last stage's output: with `training.loss_chunk` > 0, on the rank
-    holding the last stage, the chunked cross-entropy with its head's weight (the head's FSDP unit
-    keeps it unsharded after forward, parallelize.apply_fsdp); else `loss_fn`, which the other
-    ranks' schedules hold but never call."""
-    head = getattr(parts[-1], "output", None)
-    chunk = job_config.training.loss_chunk
-    if chunk and head is not None:
-        logger.info(f"pipeline loss: the last stage's chunked LM-head cross-entropy, {chunk} "
-                    "positions a chunk")
-        return ChunkedCrossEntropy(head, chunk)
-    return loss_fn
 
 
 def activation_dtype(parallel_dims: ParallelDims, job_config: JobConfig) -> torch.dtype:
@@ -159,7 +141,6 @@ def pipeline_titan_moe(
         parts.append(part)
         pipeline_stages.append(RoutedPipelineStage(part, stage_id, len(stages), device,
                                              group=pp_mesh.get_group()))
-    schedule = build_pipeline_schedule(job_config, pipeline_stages,
-                                       TokenMeanLoss(stage_loss(parts, job_config, loss_fn)))
+    schedule = build_pipeline_schedule(job_config, pipeline_stages, TokenMeanLoss(loss_fn))
     return (schedule, parts, any(s.is_first for s in pipeline_stages),
             any(s.is_last for s in pipeline_stages))

@@ -270,10 +270,17 @@ class TitanMoETrainer(PlatformTrainer):
         # The head sits on the last part: under PP, this rank's last stage when it is the
         # model's last (None on the other pipeline ranks).
         self.head = getattr(self.model_parts[-1], "output", None)
-        if job_config.training.loss_chunk and not dims.pp_enabled:
+        chunk = job_config.training.loss_chunk
+        if chunk and dims.pp_enabled:
+            # The schedule holds the loss; only the rank with the last stage (and its head)
+            # calls it. The other ranks' schedules keep the full-logits one, never called.
+            if self.head is not None:
+                self.pipeline_loss().loss_fn = ChunkedCrossEntropy(self.head, chunk)
+                logger.info("pipeline loss: the last stage's chunked LM-head cross-entropy, "
+                            f"{chunk} positions a chunk")
+        elif chunk:
             # The validator keeps the full-logits loss: it runs the model outside the step.
-            # Under PP the schedule holds the loss (pipeline_schedule.stage_loss).
-            self.loss_fn = ChunkedCrossEntropy(self.head, job_config.training.loss_chunk)
+            self.loss_fn = ChunkedCrossEntropy(self.head, chunk)
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         self.cp_group = cp_mesh.get_group() if cp_mesh is not None else None
 
@@ -306,19 +313,23 @@ class TitanMoETrainer(PlatformTrainer):
         self.step_guard.add_loss(loss)
         return loss
 
+    def pipeline_loss(self) -> TokenMeanLoss:
+        """The loss the pipeline schedule calls on the last stage (pipeline_schedule.py)."""
+        loss_fn = self.pp_schedule._loss_fn
+        if not isinstance(loss_fn, TokenMeanLoss):
+            raise TypeError("the pipeline schedule's loss is not titan_moe's TokenMeanLoss")
+        return loss_fn
+
     def pipeline_step(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
                       global_valid_tokens: torch.Tensor) -> torch.Tensor:
         """One batch through the pipeline schedule; the loss is sum(CE) / global tokens, summed
         over the micro-batches on the last stage's ranks (TokenMeanLoss scales inside the
         schedule, where torchtitan's pipelined step would backpropagate unscaled sums), 0 on the
         other ranks, which hold no loss (metrics are logged from the last stage). With
-        `training.loss_chunk` the sum is the chunked cross-entropy's (stage_loss)."""
+        `training.loss_chunk` the sum is the chunked cross-entropy's (set in __init__)."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             input_dict, labels)
-        loss_fn = self.pp_schedule._loss_fn
-        if not isinstance(loss_fn, TokenMeanLoss):
-            raise TypeError("the pipeline schedule's loss is not titan_moe's TokenMeanLoss")
-        loss_fn.tokens = global_valid_tokens
+        self.pipeline_loss().tokens = global_valid_tokens
         first, last = self.pp_has_first_stage, self.pp_has_last_stage
         losses: list[torch.Tensor] | None = [] if last else None
         # With the chunked loss the last stage returns its normed hidden states, also in the
