@@ -9,6 +9,8 @@ global batches (tests/distributed/pipeline_spec.py).
     *_chunked        pp2, pp2_interleaved, pp2_dp2 with training.loss_chunk = 32: the last
                      stage returns its normed hidden states and its loss is the chunked LM-head
                      cross-entropy, 2 chunks of a micro-batch's 64 tokens
+    *_offload        pp2, pp2_chunked, pp2_interleaved with training.activation_offload (full
+                     AC): the schedule step runs under save_on_cpu
 
 Every layout's per-step loss equals one process's within rtol 2e-5: they differ only in fp32
 summation order (micro-batch gradients summed one by one, FSDP's reduce-scatter, EP's regrouped
@@ -21,6 +23,12 @@ layouts). Checked by hand on pp2_chunked: the chunked loss not divided by the to
 losses of 1341 for 5.24; the head weight's gradient dropped, step 2's loss is 7e-4 off and
 every grad norm about half. Each chunked layout asserts its ranks holding the last stage logged
 the chunked loss, so a run that fell back to the full logits fails too.
+The offload layouts are compared with the same tolerances against one process: the offload moves
+bytes (exact host copies), not values, and full AC recomputes the same values, so only the
+pipeline's fp32 summation order differs from one process; against the same layout without the
+offload (same stages, same order) their losses and grad norms are equal (observed bitwise on the
+CPU host, 2026-12-05). Every rank of an offload layout logs how many tensors its first step's
+save_on_cpu packed, and that count must be > 0: a run with the offload silently off fails.
 max_norm 0.5 is below every step's grad norm (0.6 to 0.8), so every step clips, inside the fused
 AdamW kernel (titan_moe/train/step_guard.py); the logged grad norm, reduced over the stages (and
 the expert and dense meshes), matches one process's within rtol 1e-5 (observed 2e-7).
@@ -37,6 +45,7 @@ by > 1e-3 from the seed, so the images went through the tower and its gradients 
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +96,10 @@ LAYOUTS = {  # name: (processes, arguments); 4 global rows of 64 tokens in every
 CHUNKED = ["--training.loss_chunk", "32"]
 LAYOUTS |= {f"{name}_chunked": (LAYOUTS[name][0], [*LAYOUTS[name][1], *CHUNKED])
             for name in ("pp2", "pp2_interleaved", "pp2_dp2")}
+OFFLOAD = ["--training.activation_offload", "--activation_checkpoint.mode", "full"]
+LAYOUTS |= {f"{name}_offload": (LAYOUTS[name][0], [*LAYOUTS[name][1], *OFFLOAD])
+            for name in ("pp2", "pp2_chunked", "pp2_interleaved")}
+OFFLOAD_LOG = re.compile(r"activation offload: the pipeline step packed (\d+) saved tensors")
 # Bytes a micro-batch (1 row of 64 tokens, d 64, fp32) sends across a cut before layer i:
 # ceil(i / 2) + 1 hidden states of 64 x 64 x 4 B = 16384 B, and 64 int32 doc_ids = 256 B.
 CUT_BYTES = {
@@ -160,7 +173,11 @@ def test_losses_biases_and_violation_match_one_process(runs, name):
         assert norm[step] == pytest.approx(want_norm[step], rel=NORM_RTOL), step
     chunked_logs = runs[name][1].count("pipeline loss: the last stage's chunked LM-head")
     # Logged once by each rank holding the last stage (pp2_dp2: two).
-    assert chunked_logs == (LAYOUTS[name][0] // 2 if name.endswith("_chunked") else 0)
+    assert chunked_logs == (LAYOUTS[name][0] // 2 if "_chunked" in name else 0)
+    packed = [int(n) for n in OFFLOAD_LOG.findall(runs[name][1])]
+    # Logged once by every pipeline rank, each of which packed something.
+    assert len(packed) == (LAYOUTS[name][0] if name.endswith("_offload") else 0), packed
+    assert all(n > 0 for n in packed), packed
     want_biases, got_biases = biases(reference), biases(got)
     assert len(got_biases) == STEPS and sorted(got_biases[0]) == list(MOE_LAYERS)
     for step, (g, w) in enumerate(zip(got_biases, want_biases, strict=True), start=1):
@@ -172,6 +189,15 @@ def test_losses_biases_and_violation_match_one_process(runs, name):
         assert sorted(value) == sorted(want), tag
         for step in want:
             assert value[step] == pytest.approx(want[step], abs=1e-6), (tag, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.endswith("_offload")])
+def test_offload_trains_exactly_as_the_same_layout_without_it(runs, name):
+    plain = runs[name.removesuffix("_offload")][0]
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        want, got = scalars(plain, tag), scalars(runs[name][0], tag)
+        assert sorted(got) == list(range(1, STEPS + 1)) and got == want, tag
 
 
 @pytest.mark.slow

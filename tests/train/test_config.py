@@ -291,9 +291,6 @@ PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2'"
     (["--parallelism.sharding", "simple_fsdp"],
      "parallelism.pipeline_parallel_degree = 2 does not support "
      "parallelism.sharding = 'simple_fsdp'" + PP_UNSUPPORTED),
-    (["--training.activation_offload", "--activation_checkpoint.mode", "full"],
-     "parallelism.pipeline_parallel_degree = 2 does not support training.activation_offload"
-     + PP_UNSUPPORTED),
     (["--titan_moe.vision", "debug", "--multimodal_eval.freq", "5"],
      "parallelism.pipeline_parallel_degree = 2 does not support multimodal_eval.freq > 0"
      + PP_UNSUPPORTED),
@@ -328,6 +325,9 @@ def test_supported_pipeline_layouts_parse(monkeypatch):
                       "--parallelism.pipeline_parallel_layers_per_stage", "2"])
     # The last stage's loss is the chunked LM-head cross-entropy.
     assert parse_job_config([*PP2, "--training.loss_chunk", "32"]).training.loss_chunk == 32
+    # The schedule step runs under save_on_cpu (trainer.py pipeline_step).
+    offload = ["--training.activation_offload", "--activation_checkpoint.mode", "full"]
+    assert parse_job_config([*PP2, *offload]).training.activation_offload
     # The vision tower sits on the first stage: image batches train under PP.
     config = parse_job_config([*PP2, "--titan_moe.vision", "debug",
                                "--training.image_data", "digits"])

@@ -258,7 +258,8 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
     against one process (parallel/pipeline_schedule.py). Image batches train (the vision tower
     sits on the first stage); the multimodal eval does not, it runs the whole model on one rank,
     which a pipeline rank does not hold. `training.loss_chunk` > 0 trains: the last stage
-    returns its normed hidden states and its loss applies the head's weight by chunks."""
+    returns its normed hidden states and its loss applies the head's weight by chunks.
+    `training.activation_offload` trains: the whole schedule step runs under save_on_cpu."""
     parallelism, training = job_config.parallelism, job_config.training
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
@@ -266,7 +267,6 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
     unsupported = {
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
-        "training.activation_offload": training.activation_offload,
         "multimodal_eval.freq > 0": job_config.multimodal_eval.freq > 0,
         "eval.long_context": job_config.eval.long_context,
         "validation.enable": job_config.validation.enable,

@@ -167,6 +167,19 @@ class TitanMoEMetricsProcessor(MetricsProcessor):
                 self.histogram_writer.add_histogram("moe/expert_bias", biases, step)
 
 
+def _count_packs(offload: torch.autograd.graph.save_on_cpu) -> list[int]:
+    """Counts, in the returned one-element list, the tensors `offload` packs from now on: the
+    start-up log's evidence that the offload wraps what the step saves."""
+    packed, pack = [0], offload.pack_hook
+
+    def counted(tensor: torch.Tensor) -> Any:
+        packed[0] += 1
+        return pack(tensor)
+
+    offload.pack_hook = counted
+    return packed
+
+
 def _tensorboard_writer(metric_logger: Any) -> Any:
     # torchtitan's loggers only write scalars; histograms go through its TensorBoard writer.
     loggers = metric_logger._loggers if isinstance(metric_logger, LoggerContainer) else []
@@ -281,6 +294,7 @@ class TitanMoETrainer(PlatformTrainer):
         elif chunk:
             # The validator keeps the full-logits loss: it runs the model outside the step.
             self.loss_fn = ChunkedCrossEntropy(self.head, chunk)
+        self.pipeline_offload_logged = False
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         self.cp_group = cp_mesh.get_group() if cp_mesh is not None else None
 
@@ -298,20 +312,23 @@ class TitanMoETrainer(PlatformTrainer):
         if self.cudagraphs and input_dict.get("doc_ids") is not None:
             check_graph_sequences(input_dict["doc_ids"])
         step = super().forward_backward_step
-        # The checkpoints' own hooks sit inside this one, so only what they keep (the layer
-        # inputs) and what is saved outside the layers goes to the host (no pipeline: config.py).
-        offload = (torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
-                   if self.job_config.training.activation_offload else contextlib.nullcontext())
         if self.parallel_dims.pp_enabled:
             loss = self.pipeline_step(input_dict, labels, **kwargs)
-        elif not self.job_config.training.loss_chunk:
-            with offload:
-                loss = step(input_dict=input_dict, labels=labels, **kwargs)
         else:
-            with offload, hidden_from_head(self.head):
+            head = (hidden_from_head(self.head) if self.job_config.training.loss_chunk
+                    else contextlib.nullcontext())
+            with self.activation_offload(), head:
                 loss = step(input_dict=input_dict, labels=labels, **kwargs)
         self.step_guard.add_loss(loss)
         return loss
+
+    def activation_offload(self) -> contextlib.AbstractContextManager:
+        """save_on_cpu with `training.activation_offload` (which needs full AC, config.py), else
+        nothing. The checkpoints' own hooks sit inside it, so only what they keep (the layer
+        inputs) and what is saved outside the layers goes to the host."""
+        if not self.job_config.training.activation_offload:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
     def pipeline_loss(self) -> TokenMeanLoss:
         """The loss the pipeline schedule calls on the last stage (pipeline_schedule.py)."""
@@ -326,21 +343,36 @@ class TitanMoETrainer(PlatformTrainer):
         over the micro-batches on the last stage's ranks (TokenMeanLoss scales inside the
         schedule, where torchtitan's pipelined step would backpropagate unscaled sums), 0 on the
         other ranks, which hold no loss (metrics are logged from the last stage). With
-        `training.loss_chunk` the sum is the chunked cross-entropy's (set in __init__)."""
+        `training.loss_chunk` the sum is the chunked cross-entropy's (set in __init__).
+
+        With `training.activation_offload` the whole schedule step runs under save_on_cpu, as the
+        step without PP does: under 1F1B several micro-batches' saves are alive at once, each
+        packed when its forward saves it and unpacked by its own backward. The schedule keeps
+        its stages' inputs and outputs by reference (received activations, outputs to send,
+        the gradients it returns), never through saved tensors, so nothing it relies on changes
+        identity. The first offloaded step logs, once per rank, how many tensors it packed (its
+        count includes the schedule's shape inference, one more forward of real tensors)."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             input_dict, labels)
+        offload = self.activation_offload()
+        packed = _count_packs(offload) if (isinstance(offload, torch.autograd.graph.save_on_cpu)
+                                           and not self.pipeline_offload_logged) else None
         self.pipeline_loss().tokens = global_valid_tokens
         first, last = self.pp_has_first_stage, self.pp_has_last_stage
         losses: list[torch.Tensor] | None = [] if last else None
         # With the chunked loss the last stage returns its normed hidden states, also in the
         # first step's shape inference, which runs inside step().
         chunked = self.job_config.training.loss_chunk and self.head is not None
-        with self.train_context(), (hidden_from_head(self.head) if chunked
-                                    else contextlib.nullcontext()):
+        with offload, self.train_context(), (hidden_from_head(self.head) if chunked
+                                             else contextlib.nullcontext()):
             self.pp_schedule.step(*((inputs,) if first else ()),
                                   **(extra_inputs if first else {}), **extra_kwargs,
                                   target=labels if last else None, losses=losses,
                                   return_outputs=False)
+        if packed is not None:
+            self.pipeline_offload_logged = True
+            logger.info(f"activation offload: the pipeline step packed {packed[0]} saved tensors "
+                        "to the host on this rank")
         if losses is None:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum().detach().to(self.device)
