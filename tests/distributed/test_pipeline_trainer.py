@@ -40,8 +40,9 @@ uninterrupted run exactly (same processes, same order of operations).
 Multimodal: the same model with the debug vision tower on text + scikit-learn digits (the real
 titan_moe dataloader; one data rank in both layouts, so the same batches), 3 steps from one seed
 checkpoint, pp2 (the tower on the first stage) against one process: losses within LOSS_RTOL, and
-the tower's weights after step 3 within 1e-6 of one process's (measured equal) while each moved
-by > 1e-3 from the seed, so the images went through the tower and its gradients arrived.
+the tower's weights after step 3 within 1% of how far each moved (TOWER_SHARE_OF_MOVE) of one
+process's, while each moved by > 1e-3 from the seed, so the images went through the tower and its
+gradients arrived.
 """
 
 import os
