@@ -315,9 +315,7 @@ class TitanMoETrainer(PlatformTrainer):
         if self.parallel_dims.pp_enabled:
             loss = self.pipeline_step(input_dict, labels, **kwargs)
         else:
-            head = (hidden_from_head(self.head) if self.job_config.training.loss_chunk
-                    else contextlib.nullcontext())
-            with self.activation_offload(), head:
+            with self.activation_offload(), self.head_returns_hidden():
                 loss = step(input_dict=input_dict, labels=labels, **kwargs)
         self.step_guard.add_loss(loss)
         return loss
@@ -329,6 +327,14 @@ class TitanMoETrainer(PlatformTrainer):
         if not self.job_config.training.activation_offload:
             return contextlib.nullcontext()
         return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+
+    def head_returns_hidden(self) -> contextlib.AbstractContextManager:
+        """With `training.loss_chunk`, the LM head returns its input (`hidden_from_head`) for
+        the chunked loss to apply its weight; under PP only on the rank holding the last stage,
+        the one with a head. Else nothing."""
+        if not self.job_config.training.loss_chunk or self.head is None:
+            return contextlib.nullcontext()
+        return hidden_from_head(self.head)
 
     def pipeline_loss(self) -> TokenMeanLoss:
         """The loss the pipeline schedule calls on the last stage (pipeline_schedule.py)."""
@@ -362,9 +368,7 @@ class TitanMoETrainer(PlatformTrainer):
         losses: list[torch.Tensor] | None = [] if last else None
         # With the chunked loss the last stage returns its normed hidden states, also in the
         # first step's shape inference, which runs inside step().
-        chunked = self.job_config.training.loss_chunk and self.head is not None
-        with offload, self.train_context(), (hidden_from_head(self.head) if chunked
-                                             else contextlib.nullcontext()):
+        with offload, self.train_context(), self.head_returns_hidden():
             self.pp_schedule.step(*((inputs,) if first else ()),
                                   **(extra_inputs if first else {}), **extra_kwargs,
                                   target=labels if last else None, losses=losses,
