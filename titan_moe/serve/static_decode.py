@@ -24,9 +24,9 @@ where they are, a CUDA graph is captured per session (cudagraph trees re-record 
 input moves or the slot count changes), and a new session with new buffers reuses the compiled
 code. Decode at max_len S still reads S slots: the shapes are symbolic, not padded to a maximum.
 On CUDA the MLA attention is the Triton op of ops/mla_decode.py, whose launch layout (splits a
-row, the constexpr split length) is computed from S: tracing it guards on S's split class
-(Dynamo specialises a user kernel's constexpr), so sessions whose S falls in another class
-compile again ("maybe": a guard on S recompiles instead of raising).
+row, the split length) is an expression of S with no guard on it (torch.sym_min/sym_max, the
+split length a runtime kernel argument), so every S of a batch size shares the graph ("maybe":
+a guard on S, should one appear, recompiles instead of raising).
 
 `decode` samples on the device (no per-step sync) and collects tokens, log-probs and stops in
 device buffers, reading them back once at the end (and `running.any()` every `check_every`
