@@ -11,9 +11,10 @@ compiled with fullgraph, CUDA-graphed with mode "reduce-overhead" on CUDA) runs 
 steps (compile and graph capture, timed apart as warmup_s) and --decode-tokens timed greedy steps:
 decode tokens/s = batch x steps / time, sampling and bookkeeping on the device included. The
 compiled step is shared by the rows of a batch size (the MLA slot dim dynamic, the cache buffers
-unguarded): a row compiles only when its cache length leaves the compiled graph's guards (on CUDA,
-the MLA decode op's split class), otherwise its warmup is graph capture; graphs_compiled counts
-the row's compiles. Compile caches are reset when the batch size changes. Reported
+unguarded, the MLA decode op's split layout an expression of it): a row compiles only when its
+cache length leaves the compiled graph's guards (expected: only the first row of a batch size),
+otherwise its warmup is graph capture; graphs_compiled counts the row's compiles. Compile
+caches are reset when the batch size changes. Reported
 with the KDA state bytes (constant in the context), the MLA latent-cache bytes (the preallocated
 buffer: context + warmup + decode slots a row), the peak CUDA memory and, per batch, the ratio
 of the 1K context's decode tokens/s to this context's (issue 23's goal: <= 1.5 at 128K, <= 2 at
