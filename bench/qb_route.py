@@ -4,12 +4,17 @@
     python bench/qb_route.py --static     # any host: each launch shape compiled for sm_90
 
 At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters after --warmup):
-  op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the QB
-                histogram and the load in one kernel), called eagerly (the host's launch cost
-                included, as an eager step pays it) and graphed (its call captured in a CUDA
-                graph and replayed: device time alone, as the CUDA-graphed step pays it);
+  op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the load
+                and each token's QB bins in one kernel, the bins counted by count_bins in
+                shared memory), called eagerly (the host's launch cost included, as an eager
+                step pays it) and graphed (its call captured in a CUDA graph and replayed:
+                device time alone, as the CUDA-graphed step pays it);
+  op atomic     the kernel counting the histogram with relaxed global atomics instead (the op
+                until 2026-12-06: 0.250 ms graphed on the H200), after checking its outputs
+                equal the op's;
+  count_bins    the shared-memory counting kernel alone, on random bins;
   op no hist    the op without the histogram and the load (what inference runs): the
-                difference to `op` is the histogram's relaxed atomics (eager and graphed);
+                difference to `op` is what counting the histogram costs (eager and graphed);
   op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
                 its outputs equal the op's bit for bit (eager and graphed);
   op rN         the op's launch with ptxas capped at N registers a thread (--maxnreg): fewer
@@ -42,6 +47,7 @@ from timing import copy_bandwidth, event_timed
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.router import Router
 from titan_moe.ops.router import qb_route
+from titan_moe.ops.router.bin_counts import count_bins
 from titan_moe.ops.router.histogram import qb_histogram
 from titan_moe.ops.split_bf16_linear import split_bf16_linear
 
@@ -119,6 +125,18 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
     rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
              "ms": event_timed(op, "cuda", warmup, iters),
              "graphed_ms": graphed_ms(op, warmup, iters)}]
+    def atomic():
+        return qb_module.launch_qb_route(logits, bias, None, k, 1.0, N_BINS, True,
+                                         counting="atomic")
+    rows.append({"impl": "op atomic", "equal": all(
+        torch.equal(g, w) for g, w in zip(atomic(), want, strict=True)),
+        "ms": event_timed(atomic, "cuda", warmup, iters),
+        "graphed_ms": graphed_ms(atomic, warmup, iters)})
+    bins = torch.randint(-1, N_BINS, (tokens, experts), device="cuda", dtype=torch.int16)
+    rows.append({"impl": "count_bins", "graphed_ms": graphed_ms(
+        lambda: count_bins(bins, N_BINS), warmup, iters),
+        "ms": event_timed(lambda: count_bins(bins, N_BINS), "cuda", warmup, iters)})
+
     def no_hist():
         return qb_route(logits, bias, k, with_histogram=False)
     rows.append({"impl": "op no hist", "ms": event_timed(no_hist, "cuda", warmup, iters),

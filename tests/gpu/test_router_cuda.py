@@ -1,9 +1,11 @@
 """qb_route's Triton op and the LatentMoE layer on CUDA (`pytest -m gpu`).
 
-The op against its PyTorch reference on the same GPU: ids, weights, histogram and load must be
-equal bit for bit (both compute σ as 1 / (1 + expf(-x)) with an IEEE division, see
-qb_route_triton.py), at the routing issue's E = 896, k = 16 and at the proxy's E = 64, k = 8;
-the weight gradient as relative RMS error. The bf16 layer (torch._grouped_mm, padded groups)
+The op against its PyTorch reference on the same GPU, with the histogram counted both ways (the
+bins counted in shared memory by count_bins' CUDA kernel, and the kernel's global atomics): ids,
+weights, histogram and load must be equal bit for bit (both compute σ as 1 / (1 + expf(-x))
+with an IEEE division, see qb_route_triton.py), at the routing issue's E = 896, k = 16 and at
+the proxy's E = 64, k = 8; the weight gradient as relative RMS error. count_bins' kernel alone
+against its scatter_add reference. The bf16 layer (torch._grouped_mm, padded groups)
 against the same layer in float64 on CPU with identical routes forced by a large bias gap (also
 in token chunks, long context's `moe_token_chunk`), and its forward and backward free of host
 syncs (what CUDA graphs need).
@@ -17,6 +19,12 @@ import torch
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
 from titan_moe.ops.router import qb_route_naive, qb_route_triton
+from titan_moe.ops.router.bin_counts import (
+    count_bins,
+    count_bins_reference,
+    shared_counting_available,
+)
+from titan_moe.ops.router.qb_route_triton import launch_qb_route
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,10 +40,27 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
+@pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins"),
+                         [(16384, 896, 1000), (4096, 64, 1000), (1000, 130, 12288), (3, 5, 1)])
+def test_count_bins_kernel_equals_reference(n_tokens, n_experts, n_bins):
+    """The shared-memory kernel (NVRTC) against the scatter_add reference, -1 entries skipped;
+    at E 130 the last block holds fewer experts than the others, at 12288 bins one expert's row
+    fills a block's 48 KB."""
+    assert shared_counting_available(torch.device("cuda"), n_bins)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bins = torch.randint(-1, n_bins, (n_tokens, n_experts), device="cuda", generator=gen,
+                         dtype=torch.int16)
+    bins[:, 0] = n_bins - 1  # a column on one bin: n_tokens atomics on one address
+    got = count_bins(bins, n_bins)
+    assert torch.equal(got, count_bins_reference(bins, n_bins))
+    assert got.sum().item() == int((bins >= 0).sum())
+
+
+@pytest.mark.parametrize("counting", ["shared", "atomic"])
 @pytest.mark.parametrize(("n_tokens", "n_experts", "k", "dtype"), [
     (16384, 896, 16, torch.float32), (4096, 64, 8, torch.float32), (1000, 130, 4, torch.bfloat16),
 ])
-def test_op_equals_reference_on_cuda(n_tokens, n_experts, k, dtype):
+def test_op_equals_reference_on_cuda(n_tokens, n_experts, k, dtype, counting):
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = (2 * torch.randn(n_tokens, n_experts, device="cuda", generator=gen)).to(dtype)
     logits[:, ::7] = logits[:, :1]  # ties within every row
@@ -43,7 +68,10 @@ def test_op_equals_reference_on_cuda(n_tokens, n_experts, k, dtype):
     bias[::7] = bias[0]  # and in s + b
     valid = torch.rand(n_tokens, device="cuda", generator=gen) > 0.1
     ours = logits.clone().requires_grad_()
-    got = qb_route_triton(ours, bias, valid, k, 1.0, 1000, True)
+    if counting == "shared":  # the op's own choice on CUDA
+        got = qb_route_triton(ours, bias, valid, k, 1.0, 1000, True)
+    else:
+        got = launch_qb_route(ours, bias, valid, k, 1.0, 1000, True, counting="atomic")
     ref = logits.clone().requires_grad_()
     want = qb_route_naive(ref, bias, k, 1.0, 1000, valid)
     for name, g, w in zip(("ids", "weights", "hist", "load"), got, want, strict=True):

@@ -94,11 +94,18 @@ def test_attn_res_kernels_write_only_their_outputs():
                    "attn_res_bwd_kernel": {"d0", "d1", "d2", "du_ptr"}}
 
 
-def test_router_kernel_writes_only_its_outputs():
+def test_router_kernel_writes_only_its_outputs(monkeypatch):
     got = written("titan_moe.ops.router.qb_route_triton",
                   lambda m: m.qb_route_triton(torch.randn(64, 16), torch.zeros(16), None, 2, 1.0,
                                               32, True))
     assert got == {"qb_route_kernel": {"ids_ptr", "weights_ptr", "hist_ptr", "load_ptr"}}
+    # Launches are recorded, not run: there are no bins for count_bins to count.
+    monkeypatch.setattr(importlib.import_module("titan_moe.ops.router.qb_route_triton"),
+                        "count_bins", lambda bins, n_bins: None)
+    shared = written("titan_moe.ops.router.qb_route_triton",
+                     lambda m: m.launch_qb_route(torch.randn(64, 16), torch.zeros(16), None, 2,
+                                                 1.0, 32, True, counting="shared"))
+    assert shared == {"qb_route_kernel": {"ids_ptr", "weights_ptr", "bins_ptr", "load_ptr"}}
 
 
 def test_kda_kernels_write_only_their_outputs():

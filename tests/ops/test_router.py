@@ -88,6 +88,21 @@ def run_launch_shapes() -> dict:
     return report
 
 
+def run_shared_counting() -> dict:
+    """The kernel writing each bin as int16 for `count_bins` (counting "shared") gives the
+    reference's four outputs bit for bit: on CPU count_bins is its scatter_add reference, so this
+    checks the bins the kernel writes, -1 for the tokens not counted included."""
+    from titan_moe.ops.router.qb_route_triton import launch_qb_route
+
+    report = {}
+    for name, (n_tokens, n_experts, k, scale, n_bins, kind, with_valid, _, dtype) in CASES.items():
+        logits, bias, valid = make_inputs(n_tokens, n_experts, kind, with_valid, dtype)
+        want = qb_route_naive(logits, bias, k, scale, n_bins, valid)
+        got = launch_qb_route(logits, bias, valid, k, scale, n_bins, True, counting="shared")
+        report[name] = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    return report
+
+
 def run_opcheck() -> dict:
     from titan_moe.ops.router import qb_route_triton
 
@@ -110,6 +125,10 @@ def test_opcheck_schema_and_autograd(results):
     report = results["opcheck"]
     assert "error" not in report, report.get("error")
     assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_shared_counting_gives_the_same_bits(results):
+    assert results["shared_counting"] == dict.fromkeys(CASES, True)
 
 
 def test_launch_shapes_give_the_same_bits(results):
@@ -180,7 +199,17 @@ def test_bad_inputs_name_the_field(shape, bias_shape, k, valid_shape, field):
         qb_route(torch.zeros(shape), torch.zeros(bias_shape), k, valid=valid)
 
 
+@pytest.mark.parametrize(("counting", "n_bins"), [("sorted", 1000), ("shared", 2**15)])
+def test_bad_counting_names_the_field(counting, n_bins):
+    from titan_moe.ops.router.qb_route_triton import launch_qb_route
+
+    with pytest.raises(ValueError, match="counting"):
+        launch_qb_route(torch.zeros(4, 6), torch.zeros(6), None, 2, 1.0, n_bins, True,
+                        counting=counting)
+
+
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck),
-                      "launch_shapes": guarded(run_launch_shapes)}))
+                      "launch_shapes": guarded(run_launch_shapes),
+                      "shared_counting": guarded(run_shared_counting)}))

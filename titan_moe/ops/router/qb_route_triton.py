@@ -20,7 +20,9 @@ Those atomics (14.7M at T 16384, E 896) cost 0.1 ms of the op's 0.251 ms on the 
 1000 bins (>= 112 us for 14.7M at 16 POPC a clock an SM); a one-hot int8 tensor-core product
 takes 368 SASS an element (>= 161 us issue-bound); and summing equal (expert, bin) pairs before
 the atomics leaves 99% of them over 8 tokens, 94% over 64, 42% over 1024, with no cheap way to
-find the pairs. Counting in shared memory (atomics Triton does not expose) is what would pay.
+find the pairs. Counting in shared memory (atomics Triton does not expose) is what pays: on CUDA the
+kernel writes each (token, expert) bin as int16 instead, and `bin_counts.count_bins` (a CUDA
+kernel built by NVRTC) counts them there; the atomics remain where NVRTC is missing.
 
 σ is ops/libdevice_math.py's: on CUDA the expression and functions torch.sigmoid's CUDA kernel
 uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
@@ -38,10 +40,12 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from titan_moe.ops.libdevice_math import sigmoid
+from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins, shared_counting_available
 from titan_moe.ops.router.histogram import qb_range
 
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
 MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
+COUNTING = ("atomic", "shared")  # how the histogram is counted, see launch_qb_route
 KNOCKED_OUT: tl.constexpr = tl.constexpr(-(2**31))  # below every key of a real score
 
 
@@ -60,11 +64,12 @@ def _key_value(key):
 
 @triton.jit
 def qb_route_kernel(
-    logits_ptr, bias_ptr, valid_ptr, range_ptr, ids_ptr, weights_ptr, hist_ptr, load_ptr,
-    n_tokens, stride_t, route_scale,
+    logits_ptr, bias_ptr, valid_ptr, range_ptr, ids_ptr, weights_ptr, hist_ptr, bins_ptr,
+    load_ptr, n_tokens, stride_t, route_scale,
     E: tl.constexpr, K: tl.constexpr, N_BINS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, LIBDEVICE: tl.constexpr,
+    HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, WRITE_BINS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, the weights
     # would be computed in fp64 and rounded once, not bit-equal to the fp32 reference.
@@ -110,9 +115,14 @@ def qb_route_kernel(
         scale = tl.load(range_ptr + 1)
         r = alpha[:, None] - s
         bins = tl.minimum(tl.maximum(tl.floor((r - lo) * scale), 0.0), N_BINS - 1).to(tl.int32)
-        hist_offs = cols[None, :] * N_BINS + bins
-        tl.atomic_add(hist_ptr + hist_offs, 1, mask=counted[:, None] & col_ok[None, :],
-                      sem="relaxed")
+        if WRITE_BINS:  # counted by bin_counts.count_bins; -1 marks a token not counted
+            bins_offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
+            tl.store(bins_ptr + bins_offs, tl.where(counted[:, None], bins, -1).to(tl.int16),
+                     mask=in_tile)
+        else:
+            hist_offs = cols[None, :] * N_BINS + bins
+            tl.atomic_add(hist_ptr + hist_offs, 1, mask=counted[:, None] & col_ok[None, :],
+                          sem="relaxed")
         tl.atomic_add(load_ptr + ids, 1, mask=slot_ok & counted[:, None], sem="relaxed")
 
 
@@ -148,17 +158,34 @@ def launch_qb_route(
     with_histogram: bool,
     block_t_and_warps: tuple[int, int] | None = None,
     maxnreg: int | None = None,
+    counting: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's body: one kernel launch, at `launch_shape` unless (BLOCK_T, num_warps) is given,
     with ptxas's own register count unless `maxnreg` caps it (bench/qb_route.py compares launch
-    shapes and caps; every one gives the same bits)."""
+    shapes and caps; every one gives the same bits).
+
+    counting: how the histogram is counted. "atomic": relaxed global atomics in the kernel;
+    "shared": the kernel writes each (token, expert) bin as int16 and `count_bins` counts them
+    (in shared memory on CUDA); None: "shared" where `shared_counting_available`, else atomic.
+    """
     validate_route_inputs(logits, bias, top_k, valid)
+    if counting is None:
+        counting = "shared" if shared_counting_available(logits.device, n_bins) else "atomic"
+    if counting not in COUNTING:
+        raise ValueError(f"counting must be one of {COUNTING}, got {counting!r}")
+    if counting == "shared" and not 0 < n_bins <= MAX_BINS:
+        raise ValueError(f"counting 'shared' needs 0 < n_bins <= {MAX_BINS}, got {n_bins}")
     logits = logits.contiguous()
     n_tokens, n_experts = logits.shape
     ids = torch.empty(n_tokens, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n_tokens, top_k, dtype=torch.float32, device=logits.device)
     n_hist = n_experts if with_histogram else 0
-    hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
+    write_bins = with_histogram and counting == "shared"
+    hist = bins = None
+    if write_bins:
+        bins = torch.empty(n_tokens, n_experts, dtype=torch.int16, device=logits.device)
+    else:
+        hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
     load = torch.zeros(n_hist, dtype=torch.int32, device=logits.device)
     lo, hi = qb_range(bias)
     bin_range = torch.stack([lo, n_bins / (hi - lo)])
@@ -166,13 +193,15 @@ def launch_qb_route(
     if block_t_and_warps is not None:
         block_t, num_warps = block_t_and_warps
     wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
-        logits, bias.float().contiguous(), valid, bin_range, ids, weights, hist, load,
+        logits, bias.float().contiguous(), valid, bin_range, ids, weights, hist, bins, load,
         n_tokens, logits.stride(0), route_scale,
         E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
-        WITH_HIST=with_histogram, LIBDEVICE=logits.is_cuda, num_warps=num_warps,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        WITH_HIST=with_histogram, WRITE_BINS=write_bins, LIBDEVICE=logits.is_cuda,
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
+    if write_bins:
+        hist = count_bins(bins, n_bins)
     return ids, weights, hist, load
 
 
