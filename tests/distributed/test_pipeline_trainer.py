@@ -343,7 +343,7 @@ def test_validation_under_pp_matches_one_process(validation_runs, name):
     torch.testing.assert_close(torch.tensor([got[s] for s in VALIDATED]),
                                torch.tensor([want[s] for s in VALIDATED]),
                                rtol=LOSS_RTOL, atol=0)
-    assert want[VALIDATED[0]] != want[VALIDATED[1]]  # the second saw a trained model
+    assert want[VALIDATED[0]] != want[VALIDATED[1]]  # the next batches, on a trained model
     logged = VALIDATE_LOG.findall(log)
     assert sorted(int(step) for step, _ in logged) == sorted(VALIDATED * processes), logged
     for step, loss in logged:  # printed with 4 decimals

@@ -3,9 +3,9 @@
 torchtitan 0.2.2's Validator reads its batches from Hugging Face datasets and asks the model for
 attention masks; titan_moe has neither. This one reads the `validation.*` split of titan_moe's
 corpus (data/dataloader.py) and reports, every `validation.freq` steps (and at step 1), the mean
-over `validation.steps` batches of each batch's summed cross-entropy over its global count of
-labelled tokens: the training loss's reduction (one process: sum(CE) / global tokens, summed over
-the data ranks).
+over `validation.steps` batches (the next ones of a loop over the split each time; with -1 the
+whole split) of each batch's summed cross-entropy over its global count of labelled tokens: the
+training loss's reduction (sum(CE) / global tokens, summed over the data ranks).
 
 Without PP the whole model runs on the batch with the full-logits loss the validator is built
 with (the trainer swaps its own for the chunked one afterwards). Under PP the batch goes through
@@ -39,6 +39,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.components.validate import BaseValidator
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
 
 from titan_moe.data.dataloader import build_validation_dataloader
 from titan_moe.parallel.pipeline_schedule import TokenMeanLoss
@@ -77,7 +78,12 @@ class TitanMoEValidator(BaseValidator):
         # the schedule's loss); the full logits otherwise.
         self.head_returns_hidden: Context = contextlib.nullcontext
         steps = job_config.validation.steps
-        # A bounded run restarts the split each time; -1 reads it once, to its end.
+        if steps == -1 and parallel_dims.dp_enabled:
+            # Each rank stops at the end of its own share; collectives then wait on the others.
+            logger.warning("validation.steps = -1 with data parallelism: data ranks whose "
+                           "shares of the split differ in batches will hang")
+        # With validation.steps > 0 the loader loops over the split and each validation reads
+        # the next batches; with -1 it reads the whole split, from its start, every time.
         with torch.random.fork_rng(devices=[]):
             self.dataloader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer,
                                                           job_config, infinite=steps != -1)
