@@ -43,6 +43,14 @@ checkpoint, pp2 (the tower on the first stage) against one process: losses withi
 the tower's weights after step 3 within 1% of how far each moved (TOWER_SHARE_OF_MOVE) of one
 process's, while each moved by > 1e-3 from the seed, so the images went through the tower and its
 gradients arrived.
+
+Validation: the same model on the titan_moe spec's corpus (pystdlib; one data rank in every
+layout, so the same batches), 3 steps from one seed checkpoint, validated at steps 1 and 2 on
+2 batches of 4 x 64 tokens. pp2 (1F1B) and pp2_interleaved_chunked (Interleaved1F1B with
+training.loss_chunk = 32) log the one-process validation loss within LOSS_RTOL (observed 1.1e-7
+relative on pp2, equal on the interleaved chunked run, on the CPU host on 2026-12-06), on every
+rank, once per validated step; a run without the validation lines fails. pp2 with validation
+trains exactly as pp2 without it (losses, grad norms, moe/max_violation bitwise).
 """
 
 import os
@@ -242,14 +250,19 @@ MOVED = 1e-3
 TOWER_SHARE_OF_MOVE = 1e-2
 
 
-def tiny_multimodal() -> list[str]:
-    """TINY on the titan_moe spec's own dataloader (pystdlib text + digits), whose tokenizer
-    needs the full 4096-id vocabulary, with the debug vision tower."""
+def tiny_corpus() -> list[str]:
+    """TINY on the titan_moe spec's own dataloader (pystdlib text), whose tokenizer needs the
+    full 4096-id vocabulary; unshuffled, and with one data rank the same batches in every
+    layout."""
     args = list(TINY)
     args[args.index("titan_moe_rows")] = "titan_moe"
     args[args.index("--titan_moe.vocab_size") + 1] = "4096"
-    return [*args, "--titan_moe.vision", "debug", "--training.image_data", "digits",
-            "--training.shuffle_windows", "0"]
+    return [*args, "--training.shuffle_windows", "0"]
+
+
+def tiny_multimodal() -> list[str]:
+    """tiny_corpus with text + digits and the debug vision tower."""
+    return [*tiny_corpus(), "--titan_moe.vision", "debug", "--training.image_data", "digits"]
 
 
 def tower(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -284,3 +297,74 @@ def test_multimodal_pp2_with_the_tower_on_the_first_stage_matches_one_process(tm
         assert moved > MOVED, f"{name} did not train"
         torch.testing.assert_close(weight, one[name], rtol=0,
                                    atol=TOWER_SHARE_OF_MOVE * moved, msg=name)
+
+
+VAL_STEPS = 3
+VALIDATED = (1, 2)  # torchtitan validates at step 1 and every validation.freq-th step
+VALIDATION = ["--validation.enable", "--validation.dataset", "pystdlib",
+              "--validation.freq", "2", "--validation.steps", "2",
+              "--validation.local_batch_size", "4", "--validation.seq_len", "64"]
+VALIDATION_LAYOUTS = {  # name: (processes, arguments), one data rank each
+    "one_process": (1, VALIDATION),
+    "pp2": (2, [*PP2, *VALIDATION]),
+    "pp2_interleaved_chunked": (2, [*PP2, "--parallelism.pipeline_parallel_schedule",
+                                    "Interleaved1F1B", *CHUNKED, *VALIDATION]),
+    "pp2_unvalidated": (2, PP2),
+}
+VALIDATE_LOG = re.compile(r"validate step:\s+(\d+)\s+loss:\s+(-?[\d.]+)")
+
+
+@pytest.fixture(scope="module")
+def validation_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    root, base = tmp_path_factory.mktemp("validation"), tiny_corpus()
+    train(root / "seed", 1, "--training.local_batch_size", "4", "--checkpoint.enable",
+          "--checkpoint.create_seed_checkpoint", base=base)
+    seed = ["--training.steps", str(VAL_STEPS), "--training.local_batch_size", "4",
+            "--checkpoint.enable", "--checkpoint.initial_load_path",
+            str(root / "seed" / "checkpoint" / "step-0")]
+    return {name: (root / name, train(root / name, n, *seed, *args, base=base))
+            for name, (n, args) in VALIDATION_LAYOUTS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["one_process", "pp2", "pp2_interleaved_chunked"])
+def test_validation_under_pp_matches_one_process(validation_runs, name):
+    """The validation loss (2 batches of 4 x 64 tokens, at steps 1 and 2) equals one process's
+    within LOSS_RTOL: the same forward products in another fp32 order (per micro-batch rows,
+    the CE summed by micro-batch, with loss_chunk by head chunk), on weights that one training
+    step apart differ by the training layouts' few ulps. Every rank logs it (the ranks without
+    the last stage take the pipeline's sum), once per validated step, with the value
+    TensorBoard holds from the metrics rank; training's losses stay one process's."""
+    processes = VALIDATION_LAYOUTS[name][0]
+    reference, (dump, log) = validation_runs["one_process"][0], validation_runs[name]
+    want = scalars(reference, "validation_metrics/loss")
+    got = scalars(dump, "validation_metrics/loss")
+    assert sorted(got) == list(VALIDATED)
+    torch.testing.assert_close(torch.tensor([got[s] for s in VALIDATED]),
+                               torch.tensor([want[s] for s in VALIDATED]),
+                               rtol=LOSS_RTOL, atol=0)
+    assert want[VALIDATED[0]] != want[VALIDATED[1]]  # the next batches, on a trained model
+    logged = VALIDATE_LOG.findall(log)
+    assert sorted(int(step) for step, _ in logged) == sorted(VALIDATED * processes), logged
+    for step, loss in logged:  # printed with 4 decimals
+        assert float(loss) == pytest.approx(got[int(step)], abs=5e-5), (step, loss)
+    want_train = scalars(reference, "loss_metrics/global_avg_loss")
+    train_loss = scalars(dump, "loss_metrics/global_avg_loss")
+    assert sorted(train_loss) == list(range(1, VAL_STEPS + 1))
+    torch.testing.assert_close(torch.tensor([train_loss[s] for s in sorted(train_loss)]),
+                               torch.tensor([want_train[s] for s in sorted(train_loss)]),
+                               rtol=LOSS_RTOL, atol=0)
+    chunked_logs = log.count("pipeline loss: the last stage's chunked LM-head")
+    assert chunked_logs == (1 if "_chunked" in name else 0)
+
+
+@pytest.mark.slow
+def test_validation_under_pp_leaves_training_unchanged(validation_runs):
+    """pp2 trains exactly as pp2 without validation: validation advances neither the training
+    data nor the RNG, counts no QB statistics and leaves no module in eval mode."""
+    validated = validation_runs["pp2"][0]
+    plain, plain_log = validation_runs["pp2_unvalidated"]
+    assert not VALIDATE_LOG.findall(plain_log)
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "moe/max_violation"):
+        want, got = scalars(plain, tag), scalars(validated, tag)
+        assert sorted(got) == list(range(1, VAL_STEPS + 1)) and got == want, tag

@@ -297,6 +297,11 @@ PP_UNSUPPORTED = "; pipeline parallelism runs with sharding = 'fsdp2'"
     (["--eval.long_context"],
      "parallelism.pipeline_parallel_degree = 2 does not support eval.long_context"
      + PP_UNSUPPORTED),
+    # The schedule splits a validation batch into the training step's micro-batches.
+    (["--validation.enable", "--validation.dataset", "pystdlib", "--validation.seq_len", "1024"],
+     "parallelism.pipeline_parallel_degree = 2 validates through the training schedule: "
+     "validation.local_batch_size = 8 and validation.seq_len = 1024 must equal "
+     "training.local_batch_size = 8 and training.seq_len = 2048"),
     (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
      "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble' is not supported by titan_moe; "
      "allowed: 1F1B, Interleaved1F1B"),
@@ -328,6 +333,9 @@ def test_supported_pipeline_layouts_parse(monkeypatch):
     # The schedule step runs under save_on_cpu (trainer.py pipeline_step).
     offload = ["--training.activation_offload", "--activation_checkpoint.mode", "full"]
     assert parse_job_config([*PP2, *offload]).training.activation_offload
+    # Validation runs the schedule's forward-only eval (train/validator.py).
+    validation = ["--validation.enable", "--validation.dataset", "pystdlib"]
+    assert parse_job_config([*PP2, *validation]).validation.enable
     # The vision tower sits on the first stage: image batches train under PP.
     config = parse_job_config([*PP2, "--titan_moe.vision", "debug",
                                "--training.image_data", "digits"])

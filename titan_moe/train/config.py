@@ -259,7 +259,11 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
     sits on the first stage); the multimodal eval does not, it runs the whole model on one rank,
     which a pipeline rank does not hold. `training.loss_chunk` > 0 trains: the last stage
     returns its normed hidden states and its loss applies the head's weight by chunks.
-    `training.activation_offload` trains: the whole schedule step runs under save_on_cpu."""
+    `training.activation_offload` trains: the whole schedule step runs under save_on_cpu.
+    `validation.enable` runs each validation batch through the schedule's forward-only `eval`
+    (train/validator.py), split into the training step's micro-batches: its local batch size and
+    sequence length must be the training ones: the stages' receive buffers have the shapes torch
+    inferred from a training batch."""
     parallelism, training = job_config.parallelism, job_config.training
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
@@ -269,7 +273,6 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
         "parallelism.sharding = 'simple_fsdp'": parallelism.sharding == "simple_fsdp",
         "multimodal_eval.freq > 0": job_config.multimodal_eval.freq > 0,
         "eval.long_context": job_config.eval.long_context,
-        "validation.enable": job_config.validation.enable,
         "parallelism.pipeline_parallel_schedule_csv": bool(
             parallelism.pipeline_parallel_schedule_csv),
         "parallelism.module_fqns_per_model_part (stages are cut on AttnRes blocks)":
@@ -280,6 +283,14 @@ def _check_pipeline_parallel(job_config: Any, n_layers: int) -> None:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_degree = {pp} does not support {name}; pipeline "
                 "parallelism runs with sharding = 'fsdp2'")
+    validation = job_config.validation
+    if validation.enable and (validation.local_batch_size, validation.seq_len) != (
+            training.local_batch_size, training.seq_len):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree = {pp} validates through the training "
+            f"schedule: validation.local_batch_size = {validation.local_batch_size} and "
+            f"validation.seq_len = {validation.seq_len} must equal training.local_batch_size = "
+            f"{training.local_batch_size} and training.seq_len = {training.seq_len}")
     schedule = parallelism.pipeline_parallel_schedule
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {schedule!r} is not "

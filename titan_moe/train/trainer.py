@@ -20,7 +20,8 @@ one step later, or at the next log step or checkpoint save.
 block boundaries (parallel/pipeline_schedule.py; README "Pipeline parallelism"), the loss and
 gradients are the non-pipelined step's (with `training.loss_chunk`, the last stage's loss is
 the chunked one), Quantile Balancing runs per stage and its metrics are gathered over the
-pipeline ranks.
+pipeline ranks. `validation.enable` runs the validation batches through the schedule's
+forward-only eval with the same loss (validator.py).
 
 `training.loss_chunk` > 0: the loss is the chunked LM-head cross-entropy (chunked_loss.py), the
 [T, vocab] logits are never whole. `parallelism.context_parallel_degree` = cp > 1: each rank of a
@@ -79,6 +80,7 @@ from titan_moe.train.config import (
 from titan_moe.train.optimizer import LoadBalancing, build_optimizers_with_quantile_balancing
 from titan_moe.train.platform import PlatformTrainer, resolve_device_type, use_platform
 from titan_moe.train.step_guard import FiniteStepGuard, check_finite_weights
+from titan_moe.train.validator import build_validator
 
 
 class TitanMoEMetricsProcessor(MetricsProcessor):
@@ -227,6 +229,7 @@ def titan_moe_train_spec() -> TrainSpec:
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_metrics_processor,
+        build_validator_fn=build_validator,
     )
 
 
@@ -294,6 +297,9 @@ class TitanMoETrainer(PlatformTrainer):
         elif chunk:
             # The validator keeps the full-logits loss: it runs the model outside the step.
             self.loss_fn = ChunkedCrossEntropy(self.head, chunk)
+        if job_config.validation.enable and dims.pp_enabled:
+            # Under PP the validator runs the schedule, whose last stage's loss is the one above.
+            self.validator.head_returns_hidden = self.head_returns_hidden
         self.pipeline_offload_logged = False
         cp_mesh = self.parallel_dims.get_optional_mesh("cp")
         self.cp_group = cp_mesh.get_group() if cp_mesh is not None else None
