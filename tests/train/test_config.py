@@ -260,6 +260,18 @@ NOT_FLOAT8 = "titan_moe's quantized training is [float8] (enable, moe)"
      "parallelism.pipeline_parallel_last_stage_less_layers = 0 is not read by titan_moe (its "
      "stages are cut on AttnRes blocks, balanced by cost); allowed: 1 (size stages with "
      "pipeline_parallel_layers_per_stage)"),
+    (["--optimizer.name", "SGD"],
+     "optimizer.name = 'SGD' is not supported; allowed: Adam, AdamW"),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "128",
+      "--parallelism.context_parallel_load_balancer", "ptrr"],
+     "parallelism.context_parallel_load_balancer = 'ptrr' is not read by titan_moe's context "
+     "parallelism (contiguous slabs); allowed: 'headtail' (the default, not applied either) or "
+     "None"),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "128",
+      "--parallelism.context_parallel_rotate_method", "alltoall"],
+     "parallelism.context_parallel_rotate_method = 'alltoall' is not read by titan_moe's context "
+     "parallelism (its own state exchange); allowed: 'allgather' (the default, not applied "
+     "either)"),
     (["--job.custom_config_module", "my_project.config"],
      "job.custom_config_module = 'my_project.config' is not supported by titan_moe: its "
      "JobConfig is titan_moe/train/config.py's (add sections there); allowed: ''"),
@@ -295,6 +307,9 @@ def test_supported_values_of_the_audited_options_parse(monkeypatch):
     parse_job_config([*cpu, "--parallelism.fsdp_reshard_after_forward", "always"])
     parse_job_config([*cpu, "--parallelism.sharding", "simple_fsdp",
                       "--parallelism.fsdp_reshard_after_forward", "never"])
+    parse_job_config([*cpu, "--optimizer.name", "Adam"])
+    parse_job_config([*cpu, "--parallelism.context_parallel_degree", "2", "--training.seq_len",
+                      "128"])
     # torchtitan reads the stage sizes only when it cuts pipeline stages: with pp = 1 they are
     # ignored there too.
     parse_job_config([*cpu, "--parallelism.pipeline_parallel_first_stage_less_layers", "2"])

@@ -400,13 +400,44 @@ def _check_wandb(job_config: Any) -> None:
                           "installed; allowed here: false (metrics.enable_tensorboard logs)")
 
 
+_OPTIMIZERS = ("Adam", "AdamW")
+
+
+def _check_optimizer_name(job_config: Any) -> None:
+    # torchtitan's build_optimizers raises NotImplementedError for others, after torchrun starts.
+    name = job_config.optimizer.name
+    if name not in _OPTIMIZERS:
+        raise ConfigError(f"optimizer.name = {name!r} is not supported; allowed: "
+                          f"{', '.join(_OPTIMIZERS)}")
+
+
+def _check_context_parallel_exchange(job_config: Any) -> None:
+    """titan_moe's CP gives each rank a contiguous slab and exchanges the KDA state and conv halo
+    and the MLA latent prefix with its own collectives (parallel/context_parallel.py); torchtitan's
+    SDPA load balancer and kv rotation are never applied."""
+    parallelism = job_config.parallelism
+    if parallelism.context_parallel_degree <= 1:
+        return
+    balancer = parallelism.context_parallel_load_balancer
+    if balancer not in ("headtail", None):
+        raise ConfigError(f"parallelism.context_parallel_load_balancer = {balancer!r} is not read "
+                          "by titan_moe's context parallelism (contiguous slabs); allowed: "
+                          "'headtail' (the default, not applied either) or None")
+    rotate = parallelism.context_parallel_rotate_method
+    if rotate != "allgather":
+        raise ConfigError(f"parallelism.context_parallel_rotate_method = {rotate!r} is not read "
+                          "by titan_moe's context parallelism (its own state exchange); allowed: "
+                          "'allgather' (the default, not applied either)")
+
+
 def _check_titan_moe_reads(job_config: Any) -> None:
     """The torchtitan options above, for the titan_moe spec (another spec may support them)."""
     for check in (_check_tensor_parallel, _check_model_converters, _check_fault_tolerance,
                   _check_memory_estimation, _check_hf_checkpoint, _check_compile_components,
                   _check_activation_checkpoint, _check_cpu_offload, _check_optimizer_in_backward,
                   _check_fsdp_reshard, _check_expert_comm_backend, _check_moe_force_load_balance,
-                  _check_pipeline_stage_layers, _check_wandb):
+                  _check_pipeline_stage_layers, _check_wandb, _check_optimizer_name,
+                  _check_context_parallel_exchange):
         check(job_config)
 
 
