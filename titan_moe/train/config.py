@@ -430,6 +430,16 @@ def _check_context_parallel_exchange(job_config: Any) -> None:
                           "'allgather' (the default, not applied either)")
 
 
+def _check_checkpoint_async(job_config: Any) -> None:
+    # checkpoint_verify.VerifiedCheckpoints refuses it too, but only after torchrun starts and
+    # the model is built.
+    checkpoint = job_config.checkpoint
+    if checkpoint.enable and checkpoint.async_mode != "disabled":
+        raise ConfigError(f"checkpoint.async_mode = {checkpoint.async_mode!r} is not supported: "
+                          "checkpoints are verified by a manifest written after the save "
+                          "completes; allowed: 'disabled'")
+
+
 def _check_titan_moe_reads(job_config: Any) -> None:
     """The torchtitan options above, for the titan_moe spec (another spec may support them)."""
     for check in (_check_tensor_parallel, _check_model_converters, _check_fault_tolerance,
@@ -437,7 +447,7 @@ def _check_titan_moe_reads(job_config: Any) -> None:
                   _check_activation_checkpoint, _check_cpu_offload, _check_optimizer_in_backward,
                   _check_fsdp_reshard, _check_expert_comm_backend, _check_moe_force_load_balance,
                   _check_pipeline_stage_layers, _check_wandb, _check_optimizer_name,
-                  _check_context_parallel_exchange):
+                  _check_context_parallel_exchange, _check_checkpoint_async):
         check(job_config)
 
 
