@@ -275,6 +275,9 @@ NOT_FLOAT8 = "titan_moe's quantized training is [float8] (enable, moe)"
     (["--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem"],
      "checkpoint.async_mode = 'async_with_pinned_mem' is not supported: checkpoints are "
      "verified by a manifest written after the save completes; allowed: 'disabled'"),
+    (["--comm.mode", "local_tensor"],
+     "comm.mode = 'local_tensor' is not supported by titan_moe's training run (torchtitan only "
+     "builds the trainer in it); allowed: 'default', 'fake_backend'"),
     (["--job.custom_config_module", "my_project.config"],
      "job.custom_config_module = 'my_project.config' is not supported by titan_moe: its "
      "JobConfig is titan_moe/train/config.py's (add sections there); allowed: ''"),
@@ -311,6 +314,7 @@ def test_supported_values_of_the_audited_options_parse(monkeypatch):
     parse_job_config([*cpu, "--parallelism.sharding", "simple_fsdp",
                       "--parallelism.fsdp_reshard_after_forward", "never"])
     parse_job_config([*cpu, "--checkpoint.async_mode", "async"])  # no checkpoints: not read
+    parse_job_config([*cpu, "--comm.mode", "fake_backend"])
     parse_job_config([*cpu, "--optimizer.name", "Adam"])
     parse_job_config([*cpu, "--parallelism.context_parallel_degree", "2", "--training.seq_len",
                       "128"])

@@ -440,6 +440,15 @@ def _check_checkpoint_async(job_config: Any) -> None:
                           "completes; allowed: 'disabled'")
 
 
+def _check_comm_mode(job_config: Any) -> None:
+    # torchtitan's own main builds the trainer and stops in this mode (its model is not fully
+    # initialised); titan_moe's run trains on, and the checkpoint save fails on LocalTensors.
+    if job_config.comm.mode == "local_tensor":
+        raise ConfigError("comm.mode = 'local_tensor' is not supported by titan_moe's training "
+                          "run (torchtitan only builds the trainer in it); allowed: 'default', "
+                          "'fake_backend'")
+
+
 def _check_titan_moe_reads(job_config: Any) -> None:
     """The torchtitan options above, for the titan_moe spec (another spec may support them)."""
     for check in (_check_tensor_parallel, _check_model_converters, _check_fault_tolerance,
@@ -447,7 +456,8 @@ def _check_titan_moe_reads(job_config: Any) -> None:
                   _check_activation_checkpoint, _check_cpu_offload, _check_optimizer_in_backward,
                   _check_fsdp_reshard, _check_expert_comm_backend, _check_moe_force_load_balance,
                   _check_pipeline_stage_layers, _check_wandb, _check_optimizer_name,
-                  _check_context_parallel_exchange, _check_checkpoint_async):
+                  _check_context_parallel_exchange, _check_checkpoint_async,
+                  _check_comm_mode):
         check(job_config)
 
 
