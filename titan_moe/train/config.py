@@ -231,8 +231,7 @@ def _check_activation_offload(job_config: Any) -> None:
 # torchtitan's Trainer hands these to code titan_moe replaces (parallelize, FSDP, MoE, the
 # checkpointer's HF adapter), so set they would be ignored or fail after torchrun starts.
 
-# The model.converters names torchtitan registers: its float8 / MX converters, which would
-# swap titan_moe's Linears and GroupedExperts under its own [float8] conversion.
+# Where a rejected torchtitan quantization option points instead.
 _TITAN_MOE_FLOAT8 = "titan_moe's quantized training is [float8] (enable, moe)"
 
 
@@ -271,8 +270,9 @@ def _changed_fields(value: Any, default: Any, path: str) -> list[str]:
 
 
 def _check_model_converters(job_config: Any) -> None:
-    """torchtitan's converters would convert titan_moe's modules on top of [float8]; the
-    [quantize] section is read only by them."""
+    """torchtitan registers its float8 and MX converters under model.converters: they would
+    swap titan_moe's Linears and GroupedExperts on top of [float8]'s conversion (an unknown name
+    is a KeyError inside torchrun). The [quantize] section is read only by them."""
     converters = job_config.model.converters
     if converters:
         raise ConfigError(f"model.converters = {converters} is not supported by titan_moe "
