@@ -1,6 +1,7 @@
 """Config parsing: the [titan_moe] override section and one clear error per bad input."""
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -187,6 +188,139 @@ DEGREE_PRODUCT = ("parallelism.data_parallel_replicate_degree x data_parallel_sh
 def test_out_of_range_numbers_and_degrees_are_one_line(monkeypatch, argv, message):
     monkeypatch.setenv("NGPU", "2")
     assert error_of(["--training.device", "cpu", *argv]) == message
+
+
+NOT_FLOAT8 = "titan_moe's quantized training is [float8] (enable, moe)"
+
+
+# torchtitan options the titan_moe spec does not read: before this check they were ignored, or
+# failed inside torchrun (an assert, a KeyError, an ImportError) after the model was built.
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.tensor_parallel_degree", "2"],
+     "parallelism.tensor_parallel_degree = 2 is not supported by titan_moe; allowed: 1 (use "
+     "data_parallel_shard_degree, expert_parallel_degree, context_parallel_degree or "
+     "pipeline_parallel_degree)"),
+    (["--parallelism.expert_tensor_parallel_degree", "2"],
+     "parallelism.expert_tensor_parallel_degree = 2 is not supported by titan_moe; allowed: 1 "
+     "(use data_parallel_shard_degree, expert_parallel_degree, context_parallel_degree or "
+     "pipeline_parallel_degree)"),
+    (["--parallelism.enable_async_tensor_parallel"],
+     "parallelism.enable_async_tensor_parallel = true needs tensor parallelism, which titan_moe "
+     "does not support; allowed: false"),
+    (["--model.converters", "quantize.linear.mx"],
+     f"model.converters = ['quantize.linear.mx'] is not supported by titan_moe ({NOT_FLOAT8}); "
+     "allowed: []"),
+    (["--quantize.linear.mx.recipe_name", "mxfp8_emulated"],
+     "quantize.linear.mx.recipe_name is set, but [quantize] is read only by torchtitan's "
+     f"model.converters, which titan_moe does not support ({NOT_FLOAT8}); leave [quantize] at "
+     "its defaults"),
+    (["--fault_tolerance.enable"],
+     "fault_tolerance.enable = true is not supported by titan_moe (the trainer builds no torchft "
+     "manager); allowed: false"),
+    (["--memory_estimation.enable"],
+     "memory_estimation.enable = true is not read by titan_moe's trainer; allowed: false "
+     "(estimate memory with python -m titan_moe.plan)"),
+    (["--checkpoint.initial_load_in_hf"],
+     "checkpoint.initial_load_in_hf = true is not supported by titan_moe (no HF state-dict "
+     "adapter; checkpoints are DCP); allowed: false"),
+    (["--checkpoint.last_save_in_hf"],
+     "checkpoint.last_save_in_hf = true is not supported by titan_moe (no HF state-dict "
+     "adapter; checkpoints are DCP); allowed: false"),
+    (["--compile.components", "model,optimizer"],
+     "compile.components: 'optimizer' is unknown; allowed: model, loss"),
+    (["--activation_checkpoint.selective_ac_option", "every_other"],
+     "activation_checkpoint.selective_ac_option = 'every_other': allowed 'op' or a layer "
+     "frequency (an integer >= 0; 0 and 1: every layer)"),
+    (["--activation_checkpoint.mode", "memory_budget"],
+     "activation_checkpoint.mode = 'memory_budget' needs compile.enable = true with 'model' in "
+     "compile.components (the budget is the compiler's partitioner's)"),
+    (["--training.enable_cpu_offload"],
+     "training.enable_cpu_offload = true is not supported by titan_moe (its FSDP has no CPU "
+     "offload policy); allowed: false (for activations: training.activation_offload)"),
+    (["--optimizer.early_step_in_backward"],
+     "optimizer.early_step_in_backward = true is not supported by titan_moe (the step would run "
+     "before training.max_norm clips and before a non-finite step is skipped); allowed: false"),
+    (["--parallelism.fsdp_reshard_after_forward", "never"],
+     "parallelism.fsdp_reshard_after_forward = 'never' is not read with parallelism.sharding = "
+     "'fsdp2' (its layers reshard after forward); allowed: 'default', 'always', or sharding = "
+     "'simple_fsdp'"),
+    (["--parallelism.expert_parallel_comm_backend", "deepep"],
+     "parallelism.expert_parallel_comm_backend = 'deepep' is not supported by titan_moe (its EP "
+     "has its own all-to-all); allowed: 'standard'"),
+    (["--debug.moe_force_load_balance"],
+     "debug.moe_force_load_balance = true is not read by titan_moe's MoE (Quantile Balancing "
+     "balances the experts); allowed: false"),
+    (["--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.pipeline_parallel_first_stage_less_layers", "2"],
+     "parallelism.pipeline_parallel_first_stage_less_layers = 2 is not read by titan_moe (its "
+     "stages are cut on AttnRes blocks, balanced by cost); allowed: 1 (size stages with "
+     "pipeline_parallel_layers_per_stage)"),
+    (["--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.pipeline_parallel_last_stage_less_layers", "0"],
+     "parallelism.pipeline_parallel_last_stage_less_layers = 0 is not read by titan_moe (its "
+     "stages are cut on AttnRes blocks, balanced by cost); allowed: 1 (size stages with "
+     "pipeline_parallel_layers_per_stage)"),
+    (["--optimizer.name", "SGD"],
+     "optimizer.name = 'SGD' is not supported; allowed: Adam, AdamW"),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "128",
+      "--parallelism.context_parallel_load_balancer", "ptrr"],
+     "parallelism.context_parallel_load_balancer = 'ptrr' is not read by titan_moe's context "
+     "parallelism (contiguous slabs); allowed: 'headtail' (the default, not applied either) or "
+     "None"),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "128",
+      "--parallelism.context_parallel_rotate_method", "alltoall"],
+     "parallelism.context_parallel_rotate_method = 'alltoall' is not read by titan_moe's context "
+     "parallelism (its own state exchange); allowed: 'allgather' (the default, not applied "
+     "either)"),
+    (["--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem"],
+     "checkpoint.async_mode = 'async_with_pinned_mem' is not supported: checkpoints are "
+     "verified by a manifest written after the save completes; allowed: 'disabled'"),
+    (["--comm.mode", "local_tensor"],
+     "comm.mode = 'local_tensor' is not supported by titan_moe's training run (torchtitan only "
+     "builds the trainer in it); allowed: 'default', 'fake_backend'"),
+    (["--job.custom_config_module", "my_project.config"],
+     "job.custom_config_module = 'my_project.config' is not supported by titan_moe: its "
+     "JobConfig is titan_moe/train/config.py's (add sections there); allowed: ''"),
+    (["--experimental.custom_args_module", "my_project.config"],
+     "experimental.custom_args_module = 'my_project.config' is not supported by titan_moe: its "
+     "JobConfig is titan_moe/train/config.py's (add sections there); allowed: ''"),
+])
+def test_torchtitan_options_titan_moe_does_not_read_are_one_line(monkeypatch, argv, message):
+    monkeypatch.setenv("NGPU", "2")
+    assert error_of(["--training.device", "cpu", *argv]) == message
+
+
+real_find_spec = importlib.util.find_spec
+
+
+def test_wandb_without_the_package_is_one_line(monkeypatch):
+    # torchtitan would import wandb only when it builds the logger, inside torchrun.
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "wandb" else real_find_spec(name))
+    assert error_of(["--metrics.enable_wandb"]) == (
+        "metrics.enable_wandb = true needs the wandb package, which is not installed; allowed "
+        "here: false (metrics.enable_tensorboard logs)")
+
+
+def test_supported_values_of_the_audited_options_parse(monkeypatch):
+    monkeypatch.setenv("NGPU", "2")
+    cpu = ["--training.device", "cpu"]
+    assert parse_job_config([*cpu, "--compile.components", "model,loss"]).compile.components == [
+        "model", "loss"]
+    for option in ("op", "0", "2"):
+        parse_job_config([*cpu, "--activation_checkpoint.selective_ac_option", option])
+    parse_job_config([*cpu, "--activation_checkpoint.mode", "memory_budget", "--compile.enable"])
+    parse_job_config([*cpu, "--parallelism.fsdp_reshard_after_forward", "always"])
+    parse_job_config([*cpu, "--parallelism.sharding", "simple_fsdp",
+                      "--parallelism.fsdp_reshard_after_forward", "never"])
+    parse_job_config([*cpu, "--checkpoint.async_mode", "async"])  # no checkpoints: not read
+    parse_job_config([*cpu, "--comm.mode", "fake_backend"])
+    parse_job_config([*cpu, "--optimizer.name", "Adam"])
+    parse_job_config([*cpu, "--parallelism.context_parallel_degree", "2", "--training.seq_len",
+                      "128"])
+    # torchtitan reads the stage sizes only when it cuts pipeline stages: with pp = 1 they are
+    # ignored there too.
+    parse_job_config([*cpu, "--parallelism.pipeline_parallel_first_stage_less_layers", "2"])
 
 
 def test_degrees_are_checked_against_world_size_under_torchrun(monkeypatch):
