@@ -76,6 +76,15 @@ class TokenMeanLoss:
         return self.loss_fn(pred, labels) / self.tokens
 
 
+def schedule_loss(schedule: _PipelineSchedule) -> TokenMeanLoss:
+    """The loss `schedule` calls on the last stage: the TokenMeanLoss whose token count the
+    trainer (each step) and the validator (each batch) set."""
+    loss_fn = schedule._loss_fn
+    if not isinstance(loss_fn, TokenMeanLoss):
+        raise TypeError("the pipeline schedule's loss is not titan_moe's TokenMeanLoss")
+    return loss_fn
+
+
 class RoutedPipelineStage(PipelineStage):
     """torch's PipelineStage, clearing the routers' Quantile Balancing statistics after its
     metadata inference: torch 2.13 infers what crosses each cut by running the first step's

@@ -67,7 +67,7 @@ from titan_moe.ops.static_documents import (
 )
 from titan_moe.parallel.context_parallel import shard_batch
 from titan_moe.parallel.parallelize import parallelize_titan_moe
-from titan_moe.parallel.pipeline_schedule import TokenMeanLoss, pipeline_titan_moe
+from titan_moe.parallel.pipeline_schedule import pipeline_titan_moe, schedule_loss
 from titan_moe.train.checkpoint_verify import VerifiedCheckpoints
 from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
 from titan_moe.train.config import (
@@ -291,7 +291,7 @@ class TitanMoETrainer(PlatformTrainer):
             # The schedule holds the loss; only the rank with the last stage (and its head)
             # calls it. The other ranks' schedules keep the full-logits one, never called.
             if self.head is not None:
-                self.pipeline_loss().loss_fn = ChunkedCrossEntropy(self.head, chunk)
+                schedule_loss(self.pp_schedule).loss_fn = ChunkedCrossEntropy(self.head, chunk)
                 logger.info("pipeline loss: the last stage's chunked LM-head cross-entropy, "
                             f"{chunk} positions a chunk")
         elif chunk:
@@ -342,13 +342,6 @@ class TitanMoETrainer(PlatformTrainer):
             return contextlib.nullcontext()
         return hidden_from_head(self.head)
 
-    def pipeline_loss(self) -> TokenMeanLoss:
-        """The loss the pipeline schedule calls on the last stage (pipeline_schedule.py)."""
-        loss_fn = self.pp_schedule._loss_fn
-        if not isinstance(loss_fn, TokenMeanLoss):
-            raise TypeError("the pipeline schedule's loss is not titan_moe's TokenMeanLoss")
-        return loss_fn
-
     def pipeline_step(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
                       global_valid_tokens: torch.Tensor) -> torch.Tensor:
         """One batch through the pipeline schedule; the loss is sum(CE) / global tokens, summed
@@ -369,7 +362,7 @@ class TitanMoETrainer(PlatformTrainer):
         offload = self.activation_offload()
         packed = _count_packs(offload) if (isinstance(offload, torch.autograd.graph.save_on_cpu)
                                            and not self.pipeline_offload_logged) else None
-        self.pipeline_loss().tokens = global_valid_tokens
+        schedule_loss(self.pp_schedule).tokens = global_valid_tokens
         first, last = self.pp_has_first_stage, self.pp_has_last_stage
         losses: list[torch.Tensor] | None = [] if last else None
         # With the chunked loss the last stage returns its normed hidden states, also in the

@@ -42,7 +42,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_moe.data.dataloader import build_validation_dataloader
-from titan_moe.parallel.pipeline_schedule import TokenMeanLoss
+from titan_moe.parallel.pipeline_schedule import schedule_loss
 
 Context = Callable[[], AbstractContextManager[Any]]
 
@@ -140,9 +140,7 @@ class TitanMoEValidator(BaseValidator):
         the last stage's ranks, 0 on the others."""
         schedule = self.pp_schedule
         assert schedule is not None
-        loss_fn = schedule._loss_fn
-        if not isinstance(loss_fn, TokenMeanLoss):
-            raise TypeError("the pipeline schedule's loss is not titan_moe's TokenMeanLoss")
+        loss_fn = schedule_loss(schedule)
         inputs = (input_dict["input"],) if self.pp_has_first_stage else ()
         extra = ({k: v for k, v in input_dict.items() if k != "input"}
                  if self.pp_has_first_stage else {})
