@@ -104,9 +104,9 @@ def _(bins: Tensor, n_bins: int) -> Tensor:
 
 @count_bins.register_kernel("cuda")
 def _(bins: Tensor, n_bins: int) -> Tensor:
-    kernel = _kernel(bins.device.index)
-    if kernel is None or not 0 < n_bins <= MAX_BINS:
+    if not shared_counting_available(bins.device, n_bins):
         return count_bins_reference(bins, n_bins)
+    kernel = _kernel(bins.device.index)
     n_tokens, n_experts = bins.shape
     bins = bins.contiguous()
     hist = torch.empty(n_experts, n_bins, dtype=torch.int32, device=bins.device)
