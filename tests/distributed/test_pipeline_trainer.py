@@ -139,6 +139,13 @@ def scalars(dump: Path, tag: str) -> dict[int, float]:
     return out
 
 
+def assert_losses_close(got: dict[int, float], want: dict[int, float], steps: list[int]) -> None:
+    """got holds a loss at exactly `steps`, each within LOSS_RTOL of want's."""
+    assert sorted(got) == steps
+    torch.testing.assert_close(torch.tensor([got[s] for s in steps]),
+                               torch.tensor([want[s] for s in steps]), rtol=LOSS_RTOL, atol=0)
+
+
 def biases(dump: Path) -> list[dict[int, torch.Tensor]]:
     """Per step, every MoE layer's QB bias; the ranks holding a layer must agree exactly."""
     ranks = [torch.load(f) for f in sorted((dump / "qb_biases").glob("rank*.pt"))]
@@ -171,10 +178,7 @@ def test_losses_biases_and_violation_match_one_process(runs, name):
     reference, got = runs["one_process"][0], runs[name][0]
     want_loss = scalars(reference, "loss_metrics/global_avg_loss")
     loss = scalars(got, "loss_metrics/global_avg_loss")
-    assert sorted(loss) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([loss[s] for s in sorted(loss)]),
-                               torch.tensor([want_loss[s] for s in sorted(loss)]),
-                               rtol=LOSS_RTOL, atol=0)
+    assert_losses_close(loss, want_loss, list(range(1, STEPS + 1)))
     assert want_loss[STEPS] != want_loss[1]
     want_norm, norm = scalars(reference, "grad_norm"), scalars(got, "grad_norm")
     assert sorted(norm) == sorted(want_norm) and min(want_norm.values()) > MAX_NORM
@@ -284,10 +288,7 @@ def test_multimodal_pp2_with_the_tower_on_the_first_stage_matches_one_process(tm
     log = train(tmp_path / "pp2", 2, *seed, *PP2, base=base)
     assert "pipeline stages (layers): ['0-1', '2-3']" in log
     want, got = (scalars(tmp_path / d, "loss_metrics/global_avg_loss") for d in ("one", "pp2"))
-    assert sorted(got) == list(range(1, MM_STEPS + 1))
-    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]),
-                               torch.tensor([want[s] for s in sorted(got)]),
-                               rtol=LOSS_RTOL, atol=0)
+    assert_losses_close(got, want, list(range(1, MM_STEPS + 1)))
     start = tower(tmp_path / "seed" / "checkpoint" / "step-0", tmp_path / "seed.pt")
     one = tower(tmp_path / "one" / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "one.pt")
     pp2 = tower(tmp_path / "pp2" / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "pp2.pt")
@@ -339,10 +340,7 @@ def test_validation_under_pp_matches_one_process(validation_runs, name):
     reference, (dump, log) = validation_runs["one_process"][0], validation_runs[name]
     want = scalars(reference, "validation_metrics/loss")
     got = scalars(dump, "validation_metrics/loss")
-    assert sorted(got) == list(VALIDATED)
-    torch.testing.assert_close(torch.tensor([got[s] for s in VALIDATED]),
-                               torch.tensor([want[s] for s in VALIDATED]),
-                               rtol=LOSS_RTOL, atol=0)
+    assert_losses_close(got, want, list(VALIDATED))
     assert want[VALIDATED[0]] != want[VALIDATED[1]]  # the next batches, on a trained model
     logged = VALIDATE_LOG.findall(log)
     assert sorted(int(step) for step, _ in logged) == sorted(VALIDATED * processes), logged
@@ -350,10 +348,7 @@ def test_validation_under_pp_matches_one_process(validation_runs, name):
         assert float(loss) == pytest.approx(got[int(step)], abs=5e-5), (step, loss)
     want_train = scalars(reference, "loss_metrics/global_avg_loss")
     train_loss = scalars(dump, "loss_metrics/global_avg_loss")
-    assert sorted(train_loss) == list(range(1, VAL_STEPS + 1))
-    torch.testing.assert_close(torch.tensor([train_loss[s] for s in sorted(train_loss)]),
-                               torch.tensor([want_train[s] for s in sorted(train_loss)]),
-                               rtol=LOSS_RTOL, atol=0)
+    assert_losses_close(train_loss, want_train, list(range(1, VAL_STEPS + 1)))
     chunked_logs = log.count("pipeline loss: the last stage's chunked LM-head")
     assert chunked_logs == (1 if "_chunked" in name else 0)
 
