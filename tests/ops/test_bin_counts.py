@@ -55,7 +55,7 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
     from torch._dynamo.backends.common import aot_autograd
 
     module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
-    monkeypatch.setattr(module, "shared_counting_available", lambda device, n_bins: True)
+    monkeypatch.setattr(module, "DEFAULT_COUNTING", "shared")
     graphs = []
 
     def fw_compiler(gm, example_inputs):

@@ -2,19 +2,19 @@
 
     hist[e, bins[t, e]] += 1   for every t with bins[t, e] >= 0     bins [T, E] int16 -> [E, n_bins]
 
-`titan_moe::count_bins` is what the routing op calls when it writes each (token, expert) bin
-instead of adding it to the histogram in global memory: 14.7M relaxed global atomics at
-T 16384, E 896 cost 0.1 ms of the op's 0.25 (H200, 2026-12-05), and Triton exposes no
-shared-memory atomics to count them cheaper (bench/qb_histogram_static.py). Here one CUDA block
-owns a few experts' [n_bins] rows in shared memory over all T tokens, so every count is a
+`titan_moe::count_bins` is what the routing op calls with `counting="shared"`, where the kernel
+writes each (token, expert) bin instead of adding it to the histogram in global memory: 14.7M
+relaxed global atomics at T 16384, E 896 cost 0.1 ms of the op's 0.25 (H200, 2026-12-05), and
+Triton exposes no shared-memory atomics (bench/qb_histogram_static.py). Here one CUDA block owns
+a few experts' [n_bins] rows in shared memory over all T tokens, so every count is a
 shared-memory atomic and every histogram entry is written once, with no global atomic and no
-zeroing pass. Predicted at T 16384, E 896 on the H200: 7 experts a block, 128 blocks of 28 KB,
-~15 us, and 29 MB of int16 bins written by the routing kernel (~8 us), against the 0.1 ms.
+zeroing pass. Predicted ~15 us at T 16384, E 896 on the H200 (7 experts a block, 128 blocks of
+28 KB); measured 0.076 ms graphed (2026-12-06), and with the bins' writes the op lost to the
+atomics (0.268 against 0.235 ms), so the op counts with atomics by default.
 
 The kernel is CUDA C compiled at first use by NVRTC (`torch.cuda._compile_kernel`): the default
 implementation (any other device, and the reference the GPU test compares with) is one
-scatter_add. Where NVRTC is missing, `shared_counting_available` says so and the routing op
-keeps its global atomics.
+scatter_add, also where NVRTC is missing (`shared_counting_available` says whether it is).
 """
 
 import functools
@@ -65,8 +65,11 @@ def _kernel(device_index: int):
     major, minor = torch.cuda.get_device_capability(device_index)
     try:
         with torch.cuda.device(device_index):
-            return torch.cuda._compile_kernel(KERNEL_SOURCE, "count_bins",
-                                              compute_capability=f"{major}{minor}")
+            kernel = torch.cuda._compile_kernel(KERNEL_SOURCE, "count_bins",
+                                                compute_capability=f"{major}{minor}")
+            # torch's launcher asks for an opt-in at 48 KB itself (a row of MAX_BINS fills it)
+            kernel.set_shared_memory_config(SHARED_BYTES)
+            return kernel
     except (AttributeError, OSError, RuntimeError, TypeError) as err:
         log.warning("count_bins: NVRTC could not build the shared-memory kernel (%s); the "
                     "routing op counts with global atomics", err)

@@ -20,9 +20,11 @@ Those atomics (14.7M at T 16384, E 896) cost 0.1 ms of the op's 0.251 ms on the 
 1000 bins (>= 112 us for 14.7M at 16 POPC a clock an SM); a one-hot int8 tensor-core product
 takes 368 SASS an element (>= 161 us issue-bound); and summing equal (expert, bin) pairs before
 the atomics leaves 99% of them over 8 tokens, 94% over 64, 42% over 1024, with no cheap way to
-find the pairs. Counting in shared memory (atomics Triton does not expose) is what pays: on CUDA the
-kernel writes each (token, expert) bin as int16 instead, and `bin_counts.count_bins` (a CUDA
-kernel built by NVRTC) counts them there; the atomics remain where NVRTC is missing.
+find the pairs. Counting in shared memory (atomics Triton does not expose) was built and
+measured: with `counting="shared"` the kernel writes each (token, expert) bin as int16 instead,
+and `bin_counts.count_bins` (a CUDA kernel built by NVRTC) counts them there. It lost on the H200
+(2026-12-06, graphed, T 16384, E 896, k 16): 0.268 ms against the atomics' 0.235 (count_bins
+alone 0.076 ms, the bins' writes ~0.04), so the atomics are the default.
 
 σ is ops/libdevice_math.py's: on CUDA the expression and functions torch.sigmoid's CUDA kernel
 uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
@@ -40,12 +42,13 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from titan_moe.ops.libdevice_math import sigmoid
-from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins, shared_counting_available
+from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins
 from titan_moe.ops.router.histogram import qb_range
 
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
 MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
 COUNTING = ("atomic", "shared")  # how the histogram is counted, see launch_qb_route
+DEFAULT_COUNTING = "atomic"  # the faster on the H200 (module docstring)
 KNOCKED_OUT: tl.constexpr = tl.constexpr(-(2**31))  # below every key of a real score
 
 
@@ -166,11 +169,11 @@ def launch_qb_route(
 
     counting: how the histogram is counted. "atomic": relaxed global atomics in the kernel;
     "shared": the kernel writes each (token, expert) bin as int16 and `count_bins` counts them
-    (in shared memory on CUDA); None: "shared" where `shared_counting_available`, else atomic.
+    (in shared memory on CUDA where NVRTC builds its kernel); None: DEFAULT_COUNTING.
     """
     validate_route_inputs(logits, bias, top_k, valid)
     if counting is None:
-        counting = "shared" if shared_counting_available(logits.device, n_bins) else "atomic"
+        counting = DEFAULT_COUNTING
     if counting not in COUNTING:
         raise ValueError(f"counting must be one of {COUNTING}, got {counting!r}")
     if counting == "shared" and not 0 < n_bins <= MAX_BINS:
