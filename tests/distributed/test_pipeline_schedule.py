@@ -65,10 +65,11 @@ def _worker(rank: int, port: int) -> None:
                             scale_grads=False)
     tokens, doc_ids, labels = _batch()
     losses: list[torch.Tensor] = []
+    # Both ranks pass the doc_ids by keyword: the schedule hands each stage its micro-batch's.
     if rank == 0:
-        schedule.step(tokens, doc_ids)
+        schedule.step(tokens, doc_ids=doc_ids)
     else:
-        schedule.step(target=labels, losses=losses)
+        schedule.step(doc_ids=doc_ids, target=labels, losses=losses)
         assert [loss.item() for loss in losses] == want_losses
     held = dict(split_into_stages(model, stages)[rank].named_parameters())
     assert held, "a stage without parameters"

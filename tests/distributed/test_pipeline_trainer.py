@@ -110,10 +110,10 @@ LAYOUTS |= {f"{name}_offload": (LAYOUTS[name][0], [*LAYOUTS[name][1], *OFFLOAD])
             for name in ("pp2", "pp2_chunked", "pp2_interleaved")}
 OFFLOAD_LOG = re.compile(r"activation offload: the pipeline step packed (\d+) saved tensors")
 # Bytes a micro-batch (1 row of 64 tokens, d 64, fp32) sends across a cut before layer i:
-# ceil(i / 2) + 1 hidden states of 64 x 64 x 4 B = 16384 B, and 64 int32 doc_ids = 256 B.
+# ceil(i / 2) + 1 hidden states of 64 x 64 x 4 B = 16384 B (the doc_ids do not cross).
 CUT_BYTES = {
-    "pp2": {2: 2 * 16384 + 256},
-    "pp2_interleaved": {1: 2 * 16384 + 256, 2: 2 * 16384 + 256, 3: 3 * 16384 + 256},
+    "pp2": {2: 2 * 16384},
+    "pp2_interleaved": {1: 2 * 16384, 2: 2 * 16384, 3: 3 * 16384},
 }
 
 

@@ -11,10 +11,13 @@ which is why blocks make good pipeline units.
 `balanced_stages` places the cuts; `StageModule` runs one stage's share of the model's forward,
 its modules shared with the model (so parameter names, the checkpoint's keys, are the model's:
 `layers.<i>....`). Stage inputs and outputs are flat tuples of tensors, as
-`torch.distributed.pipelining` passes them between ranks: the first stage takes
-(tokens, doc_ids) (or doc_ids by keyword, as torchtitan's trainer passes a batch's extra
-inputs), every later one (doc_ids, *blocks, partial); the last returns the logits. The int32
-doc_ids travel with the hidden states because every layer's mixer reads them.
+`torch.distributed.pipelining` passes them between ranks: the first stage takes the tokens, every
+later one (*blocks, partial); a stage before the last returns (*blocks, partial), the last the
+logits. Every layer's mixer reads the doc_ids, which every stage takes by keyword: torch's
+schedules cut the keyword inputs of `step` / `eval` into micro-batches and hand them to each
+stage a rank runs, so the trainer and validator pass them on every pipeline rank. They do not
+cross a cut: torch 2.11's PipelineStage makes every received tensor require grad, which an
+integer one cannot.
 
 The vision tower sits on the first stage: its output only replaces the `<|image|>` placeholders'
 embeddings, so the stage takes a multimodal batch's patches, patch_pos and patch_image by keyword
@@ -35,8 +38,6 @@ from titan_moe.model.model import (
     init_head_weights,
 )
 
-DOC_ID_BYTES = torch.int32.itemsize
-
 
 def boundary_tensors(block_size: int, layer: int) -> int:
     """[b, T, d] tensors entering decoder layer `layer` (0-based) from the layers before it."""
@@ -46,10 +47,9 @@ def boundary_tensors(block_size: int, layer: int) -> int:
 def boundary_bytes(block_size: int, layer: int, microbatch: int, seq_len: int, dim: int,
                    dtype: torch.dtype) -> int:
     """Bytes one micro-batch sends forward across a cut before decoder layer `layer`: its
-    `boundary_tensors` [microbatch, seq_len, dim] hidden states in `dtype` and the int32
-    doc_ids [microbatch, seq_len]. The gradients sent back are the hidden states' size again."""
-    hidden = boundary_tensors(block_size, layer) * microbatch * seq_len * dim
-    return hidden * dtype.itemsize + microbatch * seq_len * DOC_ID_BYTES
+    `boundary_tensors` [microbatch, seq_len, dim] hidden states in `dtype`. Their gradients
+    come back, the same size again."""
+    return boundary_tensors(block_size, layer) * microbatch * seq_len * dim * dtype.itemsize
 
 
 def balanced_stages(weights: Sequence[int], block_size: int, pp: int, first_extra: int = 0,
@@ -126,21 +126,20 @@ class StageModule(nn.Module):
                 patches: torch.Tensor | None = None, patch_pos: torch.Tensor | None = None,
                 patch_image: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.first:  # (tokens, doc_ids), or doc_ids by keyword as torchtitan passes it
-            tokens, *rest = inputs
-            doc_ids = rest[0] if rest else doc_ids
+        if self.first:
+            (tokens,) = inputs
             blocks = []
             partial = embed_inputs(self.tok_embeddings, self.vision, self.args.image_token_id,
                                    tokens, patches, patch_pos, patch_image)
         else:
             # A later stage ignores the image inputs: torch's multi-stage schedules hand a rank's
             # keyword inputs to every stage it runs, and the images entered at the first stage.
-            doc_ids, *blocks, partial = inputs
+            *blocks, partial = inputs
         for layer in self.layers.values():
             blocks, partial = layer(blocks, partial, doc_ids)
         if self.last:
             return self.output(self.norm(self.final_site(blocks + [partial])))
-        return (doc_ids, *blocks, partial)
+        return (*blocks, partial)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """The model's init of the modules this stage holds (torchtitan calls it per part after

@@ -120,7 +120,7 @@ def log_boundary_bytes(stages: list[range], args: TitanMoEArgs, microbatch: int,
         logger.info(
             f"pipeline cut {k - 1} -> {k} before layer {stage.start} ({where}): "
             f"{size:,} bytes per micro-batch forward ({size / 2**20:.2f} MiB: hidden states "
-            f"[{microbatch}, {seq_len}, {args.dim}] {dtype} and int32 doc_ids)")
+            f"[{microbatch}, {seq_len}, {args.dim}] {dtype})")
     return sizes
 
 

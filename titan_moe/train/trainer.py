@@ -305,13 +305,17 @@ class TitanMoETrainer(PlatformTrainer):
         self.cp_group = cp_mesh.get_group() if cp_mesh is not None else None
 
     def post_dataloading_process(self, input_dict, labels):
-        """The batch as the model takes it; under CP this rank's slab (torchtitan's own CP
-        would shard for DTensor attention, ours is context_parallel.py's)."""
-        if self.cp_group is None:
-            return super().post_dataloading_process(input_dict, labels)
-        input_dict, labels = shard_batch(input_dict, labels, self.cp_group)
+        """The batch as the model takes it: (tokens, labels, extra_inputs, extra_kwargs), under
+        CP this rank's slab (torchtitan's own CP would shard for DTensor attention, ours is
+        context_parallel.py's). doc_ids go in extra_kwargs, which torchtitan hands every
+        pipeline stage (every layer's mixer reads them); the image inputs stay in extra_inputs,
+        the first stage's only."""
+        if self.cp_group is not None:
+            input_dict, labels = shard_batch(input_dict, labels, self.cp_group)
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        return input_dict["input"], labels, extra_inputs, {}
+        doc_ids = extra_inputs.pop("doc_ids", None)
+        extra_kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        return input_dict["input"], labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, **kwargs) -> torch.Tensor:
         self.last_batch = (input_dict, labels)
@@ -368,6 +372,9 @@ class TitanMoETrainer(PlatformTrainer):
         # With the chunked loss the last stage returns its normed hidden states, also in the
         # first step's shape inference, which runs inside step().
         with offload, self.train_context(), self.head_returns_hidden():
+            # Every rank passes the doc_ids (extra_kwargs; all pp ranks load the same batch),
+            # which the schedule cuts into micro-batches for each of its stages; the tokens and
+            # image inputs only enter the first stage.
             self.pp_schedule.step(*((inputs,) if first else ()),
                                   **(extra_inputs if first else {}), **extra_kwargs,
                                   target=labels if last else None, losses=losses,

@@ -141,9 +141,12 @@ class TitanMoEValidator(BaseValidator):
         schedule = self.pp_schedule
         assert schedule is not None
         loss_fn = schedule_loss(schedule)
-        inputs = (input_dict["input"],) if self.pp_has_first_stage else ()
-        extra = ({k: v for k, v in input_dict.items() if k != "input"}
-                 if self.pp_has_first_stage else {})
+        first = self.pp_has_first_stage
+        inputs = (input_dict["input"],) if first else ()
+        # Every rank passes the doc_ids, which every stage's layers read (the trainer's
+        # extra_kwargs); the image inputs only enter the first stage.
+        extra = {k: v for k, v in input_dict.items()
+                 if k != "input" and (first or k == "doc_ids")}
         last = self.pp_has_last_stage
         micro_losses: list[torch.Tensor] | None = [] if last else None
         training_tokens, loss_fn.tokens = loss_fn.tokens, tokens
