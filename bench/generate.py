@@ -11,7 +11,7 @@ compiled with fullgraph, CUDA-graphed with mode "reduce-overhead" on CUDA) runs 
 steps (compile and graph capture, timed apart as warmup_s) and --decode-tokens timed greedy steps:
 decode tokens/s = batch x steps / time, sampling and bookkeeping on the device included. The
 compiled step is shared by the rows of a batch size (the MLA slot dim dynamic, the cache buffers
-unguarded, the MLA decode op's split layout an expression of it): a row compiles only when its
+unguarded, the MLA decode op's split length an expression of it): a row compiles only when its
 cache length leaves the compiled graph's guards (expected: only the first row of a batch size),
 otherwise its warmup is graph capture; graphs_compiled counts the row's compiles. Compile
 caches are reset when the batch size changes. Reported

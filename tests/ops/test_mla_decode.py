@@ -25,7 +25,8 @@ CASES = {
     "two_head_blocks": (3, 20, 300, 32, 16, 299),
     "odd_widths": (2, 5, 130, 24, 8, 64),
     "proxy_widths": (1, 16, 1000, 256, 64, 777),
-    "blocks_a_split": (4, 16, 2600, 32, 16, 2500),  # 7 splits of 6 blocks
+    "blocks_a_split": (4, 16, 2600, 32, 16, 2500),  # 8 splits of 6 blocks, the last empty
+    "empty_splits": (1, 2, 200, 16, 8, 150),  # 32 splits of one block, 28 of them empty
 }
 
 
@@ -78,28 +79,42 @@ def test_opcheck_schema_fake_and_aot(results):
     assert set(report.values()) == {"SUCCESS"}, report
 
 
-def test_splits_cover_every_slot_in_whole_blocks():
+def test_splits_cover_every_slot_in_whole_blocks_and_their_count_ignores_the_length():
     for batch, heads, slots in [(1, 16, 1000), (8, 16, 524360), (3, 20, 300), (64, 2, 64)]:
         splits, split_len = split_layout(batch, heads, slots, torch.device("cpu"))
-        assert split_len % 64 == 0 and splits * split_len >= slots > (splits - 1) * split_len
+        assert split_len % 64 == 0 and splits * split_len >= slots
+        assert (split_len - 64) * splits < slots  # the shortest whole-block split that covers
+        assert split_layout(batch, heads, 7 * slots + 1, torch.device("cpu"))[0] == splits
 
 
-def test_one_graph_serves_caches_of_every_split_class():
-    """torch.compile with a dynamic slot count traces the op once for caches whose split layouts
-    differ (the split count and length are expressions of the slot count, not guards on it):
-    six lengths over four split lengths, one graph. The backend only counts graphs (the kernel
-    cannot run here without the interpreter); before sym_min/sym_max and the runtime SPLIT_LEN,
-    these lengths traced four graphs."""
+class _Traced(Exception):
+    """Raised in place of running the traced graph: CPU tensors cannot run the Triton kernel."""
+
+
+def test_one_graph_serves_caches_of_every_length_with_static_partials():
+    """torch.compile with a dynamic slot count traces the op once for caches whose split
+    lengths differ (the split length is an expression of the slot count, a runtime kernel
+    argument, not a guard on it): six lengths over four split lengths, one graph. Traced by
+    AOTAutograd as Inductor receives it (not run: CPU tensors cannot run the kernel), the
+    buffers the kernel writes have static shapes: symbolic ones, mutated by the kernel and then
+    sliced, stopped torch 2.11's Inductor (pytorch#189271) on the proxy's decode at batch 1."""
+    from torch._dynamo.backends.common import aot_autograd
+
     from titan_moe.ops.mla_decode import mla_decode_triton
 
     graphs = []
 
-    def count_graphs(gm, example_inputs):
+    def fw_compiler(gm, example_inputs):
         graphs.append(gm)
-        return lambda *args: [None]
 
+        def run(*args):
+            raise _Traced
+
+        return run
+
+    torch._dynamo.reset()
     decode = torch.compile(lambda q, kv, valid, pos: mla_decode_triton(q, kv, valid, pos, 0.3, 16),
-                           backend=count_graphs, fullgraph=True)
+                           backend=aot_autograd(fw_compiler=fw_compiler), fullgraph=True)
     lengths = (1000, 2600, 300, 200, 5000, 100000)
     layouts = {split_layout(2, 3, n, torch.device("cpu"))[1] for n in lengths}
     assert len(layouts) == 4, layouts
@@ -107,8 +122,15 @@ def test_one_graph_serves_caches_of_every_split_class():
         kv, valid = torch.randn(2, slots, 24), torch.ones(2, slots, dtype=torch.bool)
         torch._dynamo.mark_dynamic(kv, 1)
         torch._dynamo.mark_dynamic(valid, 1)
-        decode(torch.randn(2, 3, 24), kv, valid, torch.tensor(5))
+        with pytest.raises(_Traced):
+            decode(torch.randn(2, 3, 24), kv, valid, torch.tensor(5))
     assert len(graphs) == 1, len(graphs)
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    kernel = next(n for n in nodes if "triton_kernel_wrapper" in str(n.target))
+    written = [kernel.kwargs["kwargs"][name] for name in ("m_ptr", "l_ptr", "acc_ptr")]
+    for buffer in written:
+        assert all(isinstance(d, int) for d in buffer.meta["val"].shape), buffer.meta["val"].shape
+    assert any(not isinstance(d, int) for d in kernel.kwargs["kwargs"]["kv_ptr"].meta["val"].shape)
 
 
 def test_naive_row_with_only_its_own_slot_returns_that_value():

@@ -16,7 +16,8 @@ m, denominator l, fp32 accumulator [heads, lora]); slots past pos were never wri
 loads are masked off, so the unwritten part of the static buffer is never read (the trip count
 is fixed, which keeps the loop's loads pipelined). The splits' (m, l, acc) are combined in
 PyTorch: o = Σ_i e^{m_i - M} acc_i / Σ_i e^{m_i - M} l_i. The number of splits is fixed by the
-shapes (about 4 programs an SM), never by pos, so the launch is the same every step.
+batch and heads (about 4 programs an SM), never by pos or the cache length, so the launch is the
+same every step.
 """
 
 import functools
@@ -147,18 +148,20 @@ def _sm_count(device_index: int) -> int:
 
 def split_layout(batch: int, heads: int, slots: int, device: torch.device) -> tuple[int, int]:
     """(splits a row, slots a split): about PROGRAMS_PER_SM programs an SM over the grid
-    (rows x splits x head blocks), each split a whole number of BLOCK_S blocks.
+    (rows x splits x head blocks), each split a whole number of BLOCK_S blocks, the last ones
+    empty where the cache has fewer blocks than splits (such a split writes an empty partial:
+    m = -1e30, l = 0, acc = 0, which the combine weighs by 0).
 
-    Under torch.compile with a dynamic cache length `slots` is symbolic: torch.sym_min/sym_max
-    keep the layout an expression of it instead of guarding on which bound wins, so caches of
-    every length share one compiled graph (a guard here recompiled the decode step per range)."""
+    The split count depends on the batch and heads only, never on `slots`: under torch.compile
+    with a dynamic cache length the partials' buffers then have static shapes and only the split
+    length, a runtime kernel argument, is an expression of `slots`, so caches of every length
+    share one graph. (Symbolic buffer sizes mutated by the kernel and then sliced hit an Inductor
+    bug of torch 2.11, pytorch#189271: `KeyError` in Scheduler.compute_ancestors, seen compiling
+    the proxy's decode step at batch 1 on the H200.)"""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else CPU_PROGRAMS
     head_blocks = triton.cdiv(heads, HEAD_BLOCK)
-    blocks = triton.cdiv(slots, BLOCK_S)
-    splits = torch.sym_max(
-        1, torch.sym_min(blocks, triton.cdiv(PROGRAMS_PER_SM * sms, batch * head_blocks)))
-    split_len = triton.cdiv(blocks, splits) * BLOCK_S
-    return triton.cdiv(slots, split_len), split_len
+    splits = triton.cdiv(PROGRAMS_PER_SM * sms, batch * head_blocks)
+    return splits, triton.cdiv(triton.cdiv(slots, BLOCK_S), splits) * BLOCK_S
 
 
 @triton_op("titan_moe::mla_decode", mutates_args=())

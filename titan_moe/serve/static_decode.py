@@ -23,10 +23,10 @@ without an identity guard (`mark_static_address(guard=False)`): the graph reads 
 where they are, a CUDA graph is captured per session (cudagraph trees re-record when a static
 input moves or the slot count changes), and a new session with new buffers reuses the compiled
 code. Decode at max_len S still reads S slots: the shapes are symbolic, not padded to a maximum.
-On CUDA the MLA attention is the Triton op of ops/mla_decode.py, whose launch layout (splits a
-row, the split length) is an expression of S with no guard on it (torch.sym_min/sym_max, the
-split length a runtime kernel argument), so every S of a batch size shares the graph ("maybe":
-a guard on S, should one appear, recompiles instead of raising).
+On CUDA the MLA attention is the Triton op of ops/mla_decode.py, whose split count depends on
+the batch and heads only and whose split length, an expression of S with no guard on it, is a
+runtime kernel argument, so every S of a batch size shares the graph ("maybe": a guard on S,
+should one appear, recompiles instead of raising).
 
 `decode` samples on the device (no per-step sync) and collects tokens, log-probs and stops in
 device buffers, reading them back once at the end (and `running.any()` every `check_every`
