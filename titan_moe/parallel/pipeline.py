@@ -39,6 +39,16 @@ from titan_moe.model.model import (
 )
 
 
+def stage_inputs(batch: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A batch ({"input": tokens, "doc_ids": ..., image inputs}) as the schedule takes it:
+    (tokens, the first stage's keyword inputs, every stage's keyword inputs). The doc_ids go to
+    every stage, whose layers read them; the image inputs only enter the first stage."""
+    first_stage = {k: v for k, v in batch.items() if k != "input"}
+    doc_ids = first_stage.pop("doc_ids", None)
+    return batch["input"], first_stage, {} if doc_ids is None else {"doc_ids": doc_ids}
+
+
 def boundary_tensors(block_size: int, layer: int) -> int:
     """[b, T, d] tensors entering decoder layer `layer` (0-based) from the layers before it."""
     return math.ceil(layer / block_size) + 1

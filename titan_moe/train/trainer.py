@@ -67,6 +67,7 @@ from titan_moe.ops.static_documents import (
 )
 from titan_moe.parallel.context_parallel import shard_batch
 from titan_moe.parallel.parallelize import parallelize_titan_moe
+from titan_moe.parallel.pipeline import stage_inputs
 from titan_moe.parallel.pipeline_schedule import pipeline_titan_moe, schedule_loss
 from titan_moe.train.checkpoint_verify import VerifiedCheckpoints
 from titan_moe.train.chunked_loss import ChunkedCrossEntropy, hidden_from_head
@@ -312,10 +313,8 @@ class TitanMoETrainer(PlatformTrainer):
         the first stage's only."""
         if self.cp_group is not None:
             input_dict, labels = shard_batch(input_dict, labels, self.cp_group)
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        doc_ids = extra_inputs.pop("doc_ids", None)
-        extra_kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
-        return input_dict["input"], labels, extra_inputs, extra_kwargs
+        tokens, extra_inputs, extra_kwargs = stage_inputs(input_dict)
+        return tokens, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, **kwargs) -> torch.Tensor:
         self.last_batch = (input_dict, labels)

@@ -42,6 +42,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_moe.data.dataloader import build_validation_dataloader
+from titan_moe.parallel.pipeline import stage_inputs
 from titan_moe.parallel.pipeline_schedule import schedule_loss
 
 Context = Callable[[], AbstractContextManager[Any]]
@@ -142,11 +143,10 @@ class TitanMoEValidator(BaseValidator):
         assert schedule is not None
         loss_fn = schedule_loss(schedule)
         first = self.pp_has_first_stage
-        inputs = (input_dict["input"],) if first else ()
-        # Every rank passes the doc_ids, which every stage's layers read (the trainer's
-        # extra_kwargs); the image inputs only enter the first stage.
-        extra = {k: v for k, v in input_dict.items()
-                 if k != "input" and (first or k == "doc_ids")}
+        token_ids, first_stage, every_stage = stage_inputs(input_dict)
+        inputs = (token_ids,) if first else ()
+        # Every rank passes every stage's inputs (the doc_ids), as the trainer does.
+        extra = {**(first_stage if first else {}), **every_stage}
         last = self.pp_has_last_stage
         micro_losses: list[torch.Tensor] | None = [] if last else None
         training_tokens, loss_fn.tokens = loss_fn.tokens, tokens

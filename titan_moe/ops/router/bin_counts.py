@@ -71,8 +71,8 @@ def _kernel(device_index: int):
             kernel.set_shared_memory_config(SHARED_BYTES)
             return kernel
     except (AttributeError, OSError, RuntimeError, TypeError) as err:
-        log.warning("count_bins: NVRTC could not build the shared-memory kernel (%s); the "
-                    "routing op counts with global atomics", err)
+        log.warning("count_bins: NVRTC could not build the shared-memory kernel (%s); it "
+                    "counts with one scatter_add", err)
         return None
 
 
