@@ -16,8 +16,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
+import titan_moe.model.mla as mla_module
 from titan_moe.model.kda import StaticKDAState
-from titan_moe.model.mla import StaticMLACache
+from titan_moe.model.mla import GatedMLA, StaticMLACache
+from titan_moe.ops.key_segment_attention import key_segment_attention
 from titan_moe.serve.generate import Generator, Sampling, Session
 from titan_moe.serve.static_decode import StaticGenerator, StaticSession, cache_bytes
 
@@ -68,6 +70,29 @@ def test_static_decode_past_300_tokens_equals_full_forward(model, lengths, backe
         assert counter.frame_count == 1
         assert counter.op_count > 0
 
+
+
+def test_dense_prefill_by_key_segments_equals_full_forward(model, monkeypatch):
+    """Rows without padding prefill in the up-projected form by key segments: with segments of
+    24 slots, 64-token chunks over 200-token prompts attend over up to 6 earlier segments and
+    their own slots; the last logits and 20 decoded log-probs stay within RTOL of the full
+    forward, and every MLA layer took that path for every chunk."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[7])  # the key segment
+        return key_segment_attention(*args)
+
+    monkeypatch.setattr(mla_module, "key_segment_attention", counted)
+    monkeypatch.setattr(GatedMLA, "prefill_key_segment", 24)
+    prompts = _prompts(model, (200, 200), seed=11)
+    session = StaticSession(model, 2, 230, prefill_chunk=64, compile=False)
+    session.extend(prompts)
+    done = session.decode(20, Sampling(temperature=1.0),
+                          generator=torch.Generator().manual_seed(4))
+    _check_against_full_forward(model, session, prompts, done)
+    chunks, mla_layers = 4, len(model.args.mla_layers)
+    assert calls == [24] * (chunks * mla_layers)
 
 def test_stops_and_inactive_rows_match_the_dynamic_session(model):
     """Stop tokens, an inactive row and a second turn: the same tokens, log-probs and stop flags

@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from tests.gpu.bf16_tolerance import BF16_RTOL
 from tests.gpu.bf16_tolerance import max_relative_error as _rel
 from titan_moe.model.args import get_flavor
+from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import TitanMoE
 from titan_moe.serve.generate import Session
 from titan_moe.serve.static_decode import StaticSession
@@ -131,3 +132,24 @@ def test_sessions_of_two_lengths_share_one_compile_on_cuda():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@torch.no_grad()
+def test_dense_prefill_through_flash_matches_the_full_forward_on_cuda(monkeypatch):
+    """Equal rows prefill in the up-projected form (Flash Attention's varlen kernels, key
+    segments of 128 slots: 256-token chunks over 1,000 tokens see up to 6 earlier segments);
+    every prompt position's logits within BF16_RTOL of the full forward on each row alone
+    (the training path: whole-sequence SDPA over expanded keys), bf16."""
+    monkeypatch.setattr(GatedMLA, "prefill_key_segment", 128)
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, model.args.vocab_size, (2, 1000), generator=g)
+    session = StaticSession(model, 2, 1024, prefill_chunk=256, compile=False)
+    chunks = []
+    for start in range(0, 1000, 256):
+        session.extend(prompts[:, start:start + 256].tolist())
+        chunks.append(session.last_logits.clone())
+    want = model(prompts.cuda()).float()
+    ends = [min(start + 256, 1000) - 1 for start in range(0, 1000, 256)]
+    worst = max(_rel(got, want[:, end]) for got, end in zip(chunks, ends, strict=True))
+    assert worst < BF16_RTOL, worst

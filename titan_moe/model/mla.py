@@ -29,6 +29,8 @@ A `StaticMLACache` (`GatedMLA.new_static_cache`) is the same cache preallocated 
 length, for the compiled, CUDA-graphed decode step (titan_moe/serve/static_decode.py): a
 one-token call writes its slot at the device counter `pos` and attends over every slot of the
 buffer, masked to the valid ones, so each step has the same shapes and reads no host value.
+Its prefill chunks (eager) attend in the up-projected form, the keys and values projected from
+the cache by key segments as in training's long context, unless a row holds padding.
 """
 
 from dataclasses import dataclass
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.args import TitanMoEArgs
@@ -44,7 +45,7 @@ from titan_moe.model.norm import RMSNorm
 from titan_moe.ops.document_attention import document_causal_attention
 from titan_moe.ops.key_segment_attention import key_segment_attention
 from titan_moe.ops.mla_decode import mla_decode_attention
-from titan_moe.ops.mla_latent_keys import LatentKeys
+from titan_moe.ops.mla_latent_keys import CachedLatentKeys, LatentKeys
 
 
 @dataclass
@@ -112,6 +113,9 @@ class GatedMLA(nn.Module):
     # Attention within documents, attention(q, k, v, q_doc, kv_doc, scale). Compiling with CUDA
     # graphs (parallel/parallelize.py) replaces it per instance with its fixed-shape layout.
     attention = staticmethod(document_causal_attention)
+    # Keys a static-cache prefill chunk up-projects at a time: bounds its transient keys and
+    # values (about 1 GiB a row at the proxy's widths, Flash's padded v included).
+    prefill_key_segment = 32768
 
     def __init__(self, args: TitanMoEArgs) -> None:
         super().__init__()
@@ -288,12 +292,11 @@ class GatedMLA(nn.Module):
         self, x: torch.Tensor, cache: StaticMLACache, valid: torch.Tensor | None
     ) -> torch.Tensor:
         q_nope, q_rope, new_kv, valid = self._decode_inputs(x, valid)
+        if x.shape[1] > 1:
+            return self._prefill(x, q_nope, q_rope, new_kv, valid, cache)
         w_uk, w_uv = self._absorbed_weights()
         query = self._absorbed_query(q_nope, q_rope, w_uk)
-        if x.shape[1] == 1:
-            o = self._decode_step_attention(query, new_kv, valid, cache)
-        else:
-            o = self._prefill_attention(query, new_kv, valid, cache)
+        o = self._decode_step_attention(query, new_kv, valid, cache)
         return self._absorbed_out(x, o, w_uv)
 
     def _decode_step_attention(
@@ -313,14 +316,18 @@ class GatedMLA(nn.Module):
         cache.pos.add_(1)
         return o.unsqueeze(2).to(query.dtype)
 
-    def _prefill_attention(
-        self, query: torch.Tensor, new_kv: torch.Tensor, valid: torch.Tensor,
-        cache: StaticMLACache,
+    def _prefill(
+        self, x: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, new_kv: torch.Tensor,
+        valid: torch.Tensor, cache: StaticMLACache,
     ) -> torch.Tensor:
-        """t > 1 tokens (eager): write slots filled..filled+t, attend over the filled prefix. When
-        no slot so far is padding, the mask is the lower-right causal one, which SDPA's fused
-        kernels take without materialising it; otherwise the masked form of the dynamic cache."""
-        t = query.shape[2]
+        """t > 1 tokens (eager): write slots filled..filled+t, attend over the filled prefix.
+
+        When no slot so far is padding (one document a row), the up-projected form: the prefix's
+        keys and values projected from the cache by key segments (ops/key_segment_attention.py,
+        Flash Attention on CUDA), about half the absorbed form's FLOPs a score at the proxy's
+        widths (head dims 192 / 128 against 320 / 256) and in a kernel that skips the masked
+        half; otherwise the absorbed form under the padding mask."""
+        t = x.shape[1]
         start = cache.filled
         end = start + t
         if end > cache.max_len:
@@ -330,13 +337,15 @@ class GatedMLA(nn.Module):
         cache.pos.add_(t)
         kv_slots, valid_slots = cache.kv[:, :end], cache.valid[:, :end]
         if not bool(valid_slots.all()):  # one host sync per prefill chunk, never in a step
-            return self._attend_masked(query, kv_slots, valid_slots, t)
-        b, h = query.shape[:2]
-        key = kv_slots.unsqueeze(1).expand(b, h, end, -1)
-        value = kv_slots[..., : self.kv_lora].unsqueeze(1).expand(b, h, end, self.kv_lora)
-        return F.scaled_dot_product_attention(query, key, value,
-                                              attn_mask=causal_lower_right(t, end),
-                                              scale=self.scale)
+            w_uk, w_uv = self._absorbed_weights()
+            query = self._absorbed_query(q_nope, q_rope, w_uk)
+            o = self._attend_masked(query, kv_slots, valid_slots, t)
+            return self._absorbed_out(x, o, w_uv)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        o = key_segment_attention(
+            q, None, None, (kv_slots,), (self.w_kvb.weight,), CachedLatentKeys,
+            (self.n_heads, self.nope, self.kv_lora), self.prefill_key_segment, self.scale)
+        return self._output(x, o)
 
     def new_cache(self, batch: int, capacity: int = 0) -> MLACache:
         """An empty decode cache (no tokens yet, room for `capacity`) on the layer's device."""

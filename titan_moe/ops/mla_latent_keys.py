@@ -54,3 +54,31 @@ def _normed(c_kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     """RMSNorm as model/norm.py computes it: in at least float32, returned in c_kv's dtype."""
     wide = torch.promote_types(c_kv.dtype, torch.float32)
     return F.rms_norm(c_kv.to(wide), (c_kv.shape[-1],), weight.to(wide), eps).to(c_kv.dtype)
+
+
+class CachedLatentKeys:
+    """MLA's keys and values from its decode cache's entries [RMSNorm(c_kv) | k_rope] (already
+    normed): the projection of the static cache's prefill (model/mla.py), which attends in the
+    up-projected form by key segments. inputs (kv [B, s, C + R]); weights (W_kvb [H (N + V), C]);
+    options (heads, nope, C). Backward: dW_kvb = dkvᵀ c, dc = dkv W_kvb, dk_rope as above."""
+
+    @staticmethod
+    def project(inputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...],
+                options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        heads, nope, latent = options
+        c, k_rope = inputs[0].split([latent, inputs[0].shape[-1] - latent], dim=-1)
+        kv = F.linear(c, weights[0]).unflatten(-1, (heads, -1))
+        k_nope, v = kv.split([nope, kv.shape[-1] - nope], dim=-1)
+        rope = k_rope.unsqueeze(2).expand(*k_rope.shape[:2], heads, k_rope.shape[-1])
+        return torch.cat([k_nope, rope], dim=-1), v
+
+    @staticmethod
+    def backward(dk: torch.Tensor, dv: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                 weights: tuple[torch.Tensor, ...], options: tuple
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        _, nope, latent = options
+        kv, w_kvb = inputs[0], weights[0]
+        dkv = torch.cat([dk[..., :nope], dv], dim=-1).flatten(-2)  # [B, s, H (N + V)]
+        d_w_kvb = dkv.flatten(0, 1).t() @ kv[..., :latent].flatten(0, 1)
+        d_kv = torch.cat([dkv @ w_kvb, dk[..., nope:].sum(2)], dim=-1)
+        return (d_kv.to(kv.dtype),), (d_w_kvb,)
