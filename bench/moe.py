@@ -56,6 +56,10 @@ def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dty
 def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top) -> dict:
     d, hidden, experts, k = shape
     layer = build(kind, d, hidden, experts, k, device, dtype)
+    # Every row compiles its own layer: Dynamo's recompile limit (8 a code object) counts the
+    # earlier rows' compiles of the same forward, and past it a row silently ran eagerly (d 3584
+    # compiled, H100, 2026-12-06).
+    torch._dynamo.reset()
     fn = layer if mode == "eager" else torch.compile(layer, mode=COMPILE_MODES[mode])
     x = torch.randn(1, tokens, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
