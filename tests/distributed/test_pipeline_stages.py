@@ -174,7 +174,7 @@ def test_stage_init_weights_is_the_models_init_of_its_modules():
 IMAGE_START, IMAGE_END = 4, 5  # any ids but the placeholder (image_token_id 3) and padding (0)
 
 
-def _multimodal_batch(model: TitanMoE, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+def multimodal_batch(model: TitanMoE, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
     """`rows` windows packed as the training data packs them (data/multimodal.py), each of
     documents text, image, text: images of random size and pixels, text of random ids."""
     vision, image_id = model.vision.args, model.args.image_token_id
@@ -199,7 +199,7 @@ def test_stages_chained_with_the_vision_tower_equal_the_model(pp):
     keyword inputs to each of its stages) and ignore them. Outputs and every gradient, the
     tower's included, equal the whole model's bit for bit (float32)."""
     model = _model(vision="debug")
-    batch = _multimodal_batch(model, rows=2, seq_len=32)
+    batch = multimodal_batch(model, rows=2, seq_len=32)
     assert all((batch["patch_image"][r] >= 0).any() for r in range(2)), "every row has an image"
     images = {k: batch[k] for k in ("patches", "patch_pos", "patch_image")}
     want = model(batch["input"], batch["doc_ids"], **images)

@@ -34,6 +34,9 @@ AdamW kernel (titan_moe/train/step_guard.py); the logged grad norm, reduced over
 the expert and dense meshes), matches one process's within rtol 1e-5 (observed 2e-7).
 QB biases (each stage balances its own MoE layers, histograms summed over the data ranks only)
 and moe/max_violation (gathered over the stages) match to 1e-6: the loads are exact counts.
+torch's first-step shape inference must count none (RoutedPipelineStage): on torch 2.11, where
+it once did, step 1's biases were 4e-3 to 3e-2 off (CPU host) and step 5's grad norm 1.1e-5
+relative (GPU machine, CPU gloo), 2026-12-06; now its PP runs equal 2.13's bit for bit.
 Resume: the pp2 run's step-3 checkpoint, loaded by a fresh pp2 job, reproduces steps 4-5 of the
 uninterrupted run exactly (same processes, same order of operations).
 

@@ -38,15 +38,18 @@ from titan_moe.model.model import (
     init_head_weights,
 )
 
+# The keyword inputs every stage takes (its layers read them); a batch's others (the image
+# inputs) only enter the first stage.
+EVERY_STAGE_INPUTS = ("doc_ids",)
+
 
 def stage_inputs(batch: dict[str, torch.Tensor]
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A batch ({"input": tokens, "doc_ids": ..., image inputs}) as the schedule takes it:
-    (tokens, the first stage's keyword inputs, every stage's keyword inputs). The doc_ids go to
-    every stage, whose layers read them; the image inputs only enter the first stage."""
-    first_stage = {k: v for k, v in batch.items() if k != "input"}
-    doc_ids = first_stage.pop("doc_ids", None)
-    return batch["input"], first_stage, {} if doc_ids is None else {"doc_ids": doc_ids}
+    (tokens, the first stage's keyword inputs, every stage's keyword inputs)."""
+    every_stage = {k: v for k, v in batch.items() if k in EVERY_STAGE_INPUTS}
+    first_stage = {k: v for k, v in batch.items() if k != "input" and k not in every_stage}
+    return batch["input"], first_stage, every_stage
 
 
 def boundary_tensors(block_size: int, layer: int) -> int:

@@ -23,6 +23,7 @@ Start-up logs the bytes each cut sends forward per micro-batch (`boundary_bytes`
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,7 +41,12 @@ from torchtitan.tools.logging import logger
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.router import Router
-from titan_moe.parallel.pipeline import StageModule, boundary_bytes, model_stages
+from titan_moe.parallel.pipeline import (
+    EVERY_STAGE_INPUTS,
+    StageModule,
+    boundary_bytes,
+    model_stages,
+)
 
 # Schedules whose stage placement is torch's looped one (rank r: stages r, r + pp, ...), the
 # ones tested against one process (tests/distributed/test_pipeline_trainer.py).
@@ -86,13 +92,30 @@ def schedule_loss(schedule: _PipelineSchedule) -> TokenMeanLoss:
 
 
 class RoutedPipelineStage(PipelineStage):
-    """torch's PipelineStage, clearing the routers' Quantile Balancing statistics after its
-    metadata inference: torch 2.13 infers what crosses each cut by running the first step's
-    stages once more (the first stage on the first micro-batch, later ones on uninitialised
-    tensors of the received shapes), which the routers would count as routed tokens."""
+    """torch's PipelineStage over a StageModule. At the first step torch runs each stage once
+    more to learn what crosses each cut, which the routers would count as routed tokens in
+    their Quantile Balancing statistics; they are cleared after it (before any micro-batch).
+
+    torch 2.13 (`_post_metadata_inference_cleanup`) runs the first stage on the first
+    micro-batch and later ones on uninitialised tensors of the received shapes. torch 2.11
+    (`_shape_inference`, under no_grad) runs every stage on zeros shaped like its positional
+    inputs, the first stage's tokens too, with the micro-batch's keyword inputs. There it gets
+    only every stage's keyword inputs (the doc_ids): zero tokens hold no image placeholder for
+    the image inputs, which scatter_image_embeddings rightly refuses, and the images only
+    replace placeholders' embeddings, so the stage's output shapes are the same without them."""
 
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()
+        self._reset_qb_stats()
+
+    def _shape_inference(self, args: tuple[Any, ...],
+                         kwargs: dict[str, Any] | None = None) -> tuple[Any, ...]:
+        every_stage = {k: v for k, v in (kwargs or {}).items() if k in EVERY_STAGE_INPUTS}
+        outputs = super()._shape_inference(args, every_stage)
+        self._reset_qb_stats()
+        return outputs
+
+    def _reset_qb_stats(self) -> None:
         for module in self.submod.modules():
             if isinstance(module, Router):
                 module.reset_qb_stats()

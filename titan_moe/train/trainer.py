@@ -358,8 +358,9 @@ class TitanMoETrainer(PlatformTrainer):
         packed when its forward saves it and unpacked by its own backward. The schedule keeps
         its stages' inputs and outputs by reference (received activations, outputs to send,
         the gradients it returns), never through saved tensors, so nothing it relies on changes
-        identity. The first offloaded step logs, once per rank, how many tensors it packed (its
-        count includes the schedule's shape inference, one more forward of real tensors)."""
+        identity. The first offloaded step logs, once per rank, how many tensors it packed (on
+        torch 2.13 its count includes the schedule's shape inference, one more forward with
+        autograd; torch 2.11's runs under no_grad and saves nothing)."""
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             input_dict, labels)
         offload = self.activation_offload()
