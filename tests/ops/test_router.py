@@ -30,6 +30,10 @@ CASES = {
     "E300-k16-T21": (21, 300, 16, 1.0, 1000, "random", True, True, torch.float32),
     "E64-k8-T130-bf16": (130, 64, 8, 2.0, 1000, "random", False, True, torch.bfloat16),
     "no-histogram": (19, 12, 2, 1.0, 1000, "random", True, False, torch.float32),
+    # Every bias above (below) 0, E short of a power of two: the kernel's range ignores the
+    # padding columns of its row block, where a 0 would set min(b) (max(b)).
+    "bias-above-0-E300": (21, 300, 16, 1.0, 1000, "bias+", True, True, torch.float32),
+    "bias-below-0-E300": (21, 300, 16, 1.0, 1000, "bias-", True, True, torch.float32),
 }
 
 
@@ -47,6 +51,8 @@ def make_inputs(n_tokens, n_experts, kind, with_valid, dtype, seed=0):
         pool = pool[torch.randperm(len(pool), generator=gen)[:4]]  # four levels: rows of ties
     logits = pool[torch.randint(len(pool), (n_tokens, n_experts), generator=gen)].to(dtype)
     bias = 0.1 * torch.randn(n_experts, generator=gen)
+    if kind in ("bias+", "bias-"):
+        bias = bias.abs() + 0.5 if kind == "bias+" else -bias.abs() - 0.5
     if kind == "ties":
         bias = bias[torch.arange(n_experts) % 3]  # equal bias for experts 0, 3, 6, ...
     valid = torch.rand(n_tokens, generator=gen) > 0.3 if with_valid else None

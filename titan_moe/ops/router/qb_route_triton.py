@@ -11,8 +11,10 @@ where int64 (value, index) pairs needed four. The k routed scores are re-read (L
 summed left to right, so the weights are bit-equal to `naive.qb_route_naive`; the (k+1)-th max
 decodes to alpha exactly, and each (token, expert) bin of r = alpha - s is counted with a
 relaxed atomic add into [E, n_bins] int32, each routed slot into the [E] load. Nothing [T, E]
-is written. The histogram range and scale come from `qb_range`, computed by PyTorch, so bins
-are the reference's bit for bit.
+is written. Every program computes the histogram range [min(b) - 1, max(b) + 1] and its scale
+n_bins / (hi - lo) from the bias row it loads anyway, as `histogram.qb_range` does (an exact
+min and max, then IEEE fp32 subtraction and division), so bins are the reference's bit for bit
+with no PyTorch kernels launched before the op's (they were five, with the stack).
 
 Those atomics (14.7M at T 16384, E 896) cost 0.1 ms of the op's 0.251 ms on the H200 (graphed,
 2026-12-05), and no Triton formulation counts cheaper (bench/qb_histogram_static.py, sm_90):
@@ -43,7 +45,6 @@ from torch.library import triton_op, wrap_triton
 
 from titan_moe.ops.libdevice_math import sigmoid
 from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins
-from titan_moe.ops.router.histogram import qb_range
 
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
 MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
@@ -67,7 +68,7 @@ def _key_value(key):
 
 @triton.jit
 def qb_route_kernel(
-    logits_ptr, bias_ptr, valid_ptr, range_ptr, ids_ptr, weights_ptr, hist_ptr, bins_ptr,
+    logits_ptr, bias_ptr, valid_ptr, ids_ptr, weights_ptr, hist_ptr, bins_ptr,
     load_ptr, n_tokens, stride_t, route_scale,
     E: tl.constexpr, K: tl.constexpr, N_BINS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -114,8 +115,10 @@ def qb_route_kernel(
             counted = counted & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
         # Rows past T hold only knocked-out keys, which decode to NaN: give them a number.
         alpha = tl.where(row_ok, _key_value(tl.max(key, axis=1)), 0.0)
-        lo = tl.load(range_ptr)
-        scale = tl.load(range_ptr + 1)
+        lo = tl.min(tl.where(col_ok, b, float("inf")), axis=0) - 1.0
+        hi = tl.max(tl.where(col_ok, b, float("-inf")), axis=0) + 1.0
+        span = hi - lo
+        scale = tl.math.div_rn(tl.full(span.shape, N_BINS, tl.float32), span)
         r = alpha[:, None] - s
         bins = tl.minimum(tl.maximum(tl.floor((r - lo) * scale), 0.0), N_BINS - 1).to(tl.int32)
         if WRITE_BINS:  # counted by bin_counts.count_bins; -1 marks a token not counted
@@ -190,13 +193,11 @@ def launch_qb_route(
     else:
         hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
     load = torch.zeros(n_hist, dtype=torch.int32, device=logits.device)
-    lo, hi = qb_range(bias)
-    bin_range = torch.stack([lo, n_bins / (hi - lo)])
     block_t, block_e, num_warps = launch_shape(n_experts)
     if block_t_and_warps is not None:
         block_t, num_warps = block_t_and_warps
     wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
-        logits, bias.float().contiguous(), valid, bin_range, ids, weights, hist, bins, load,
+        logits, bias.float().contiguous(), valid, ids, weights, hist, bins, load,
         n_tokens, logits.stride(0), route_scale,
         E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
