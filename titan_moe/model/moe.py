@@ -83,7 +83,11 @@ def dispatch_layout(
     """
     n_pairs = pair_expert.numel()
     n_rows = _round_up(n_pairs + n_experts * (align - 1), align)
-    sorted_expert, order = torch.sort(pair_expert, stable=True)
+    # Sorted as int16 keys (int32 past 32,767 experts): a radix sort passes over the key's bits,
+    # 16 here against int64's 64; same order, the sort being stable.
+    key = torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+    sorted_key, order = torch.sort(pair_expert.to(key), stable=True)
+    sorted_expert = sorted_key.long()
     experts = torch.arange(n_experts, device=pair_expert.device)
     ends = torch.searchsorted(sorted_expert, experts + 1)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
