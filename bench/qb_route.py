@@ -5,7 +5,8 @@
 
 At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters after --warmup):
   op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the load
-                and the QB histogram counted with relaxed global atomics, in one kernel), called
+                and the QB histogram counted with relaxed global atomics, in one kernel; with
+                the share of rows it picks twice, see `op all keys`), called
                 eagerly (the host's launch cost included, as an eager step pays it) and graphed
                 (its call captured in a CUDA graph and replayed: device time alone, as the
                 CUDA-graphed step pays it);
@@ -15,6 +16,9 @@ At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters
   count_bins    the shared-memory counting kernel alone, on random bins;
   op no hist    the op without the histogram and the load (what inference runs): the
                 difference to `op` is what counting the histogram costs (eager and graphed);
+  op all keys   the op's k+1 picks over every key of a row, not first over each lane's 4
+                largest (the default at 512 to 1024 columns; 3,312 against 4,952 SASS a row, sm_90),
+                after checking its outputs equal the op's (eager and graphed);
   op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
                 its outputs equal the op's bit for bit (eager and graphed);
   op rN         the op's launch with ptxas capped at N registers a thread (--maxnreg): fewer
@@ -31,7 +35,9 @@ The floor is the op's compulsory bytes (logits read, ids and weights written, th
 zeroed and counted) over the measured copy bandwidth. --static compiles each launch shape for
 --arch with no GPU (Triton ships ptxas and nvdisasm) and reports registers, spills, barriers and
 SASS instructions a token row: the kernel has no runtime loop, so that is what a warp issues per
-row, a GPU-free proxy for the op's issue-bound time. Prints a table and writes JSON (--out).
+row, a GPU-free proxy for the op's issue-bound time (where the op first picks among each lane's
+4 largest keys, the count includes the rarely run picks over every key: 6,520 at E 896, of which
+a row issues 3,312 when it needs no second pick). Prints a table and writes JSON (--out).
 """
 
 import argparse
@@ -106,6 +112,17 @@ def graphed_ms(fn, warmup: int, iters: int) -> float:
     return event_timed(graph.replay, "cuda", warmup, iters)
 
 
+def repicked_share(logits: torch.Tensor, bias: torch.Tensor, k: int) -> float:
+    """The share of rows where some lane (columns // 4 % 32, as the kernel loads them) holds more
+    than 4 of the top k + 1, which the op picks again over every key (ties aside): 0.33% for
+    i.i.d. logits at E 896, k 16."""
+    ids = (torch.sigmoid(logits) + bias).topk(k + 1).indices
+    lanes = ids // 4 % 32
+    counts = torch.zeros(len(ids), 32, device=ids.device).scatter_add_(
+        1, lanes, torch.ones_like(lanes, dtype=torch.float))
+    return (counts.max(1).values > 4).float().mean().item()
+
+
 def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]:
     router = Router(d, experts, k).cuda().train()
     router.init_weights(0.02)
@@ -123,6 +140,7 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
     def op():
         return qb_route(logits, bias, k)
     rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
+             "repicked_rows": repicked_share(logits, bias, k),
              "ms": event_timed(op, "cuda", warmup, iters),
              "graphed_ms": graphed_ms(op, warmup, iters)}]
     def shared():
@@ -141,7 +159,8 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
         return qb_route(logits, bias, k, with_histogram=False)
     rows.append({"impl": "op no hist", "ms": event_timed(no_hist, "cuda", warmup, iters),
                  "graphed_ms": graphed_ms(no_hist, warmup, iters)})
-    variants = [(f"op {s[0]}x{s[1]}", {"block_t_and_warps": s}) for s in shapes]
+    variants = [("op all keys", {"lane_top4": False})]
+    variants += [(f"op {s[0]}x{s[1]}", {"block_t_and_warps": s}) for s in shapes]
     variants += [(f"op r{n}", {"maxnreg": n}) for n in caps]
     for name, launch_args in variants:
         def launch(launch_args=launch_args):
@@ -172,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-shapes", type=launch_shapes, default="1,1;2,1;2,2;4,4;4,8",
                         help="BLOCK_T,num_warps;... compared with the op's own")
     parser.add_argument("--maxnreg", type=lambda v: [int(n) for n in v.split(",") if n],
-                        default="96,80,64",
+                        default="168,128,96",
                         help="register caps for the op's launch (timed, or compiled with --static)")
     parser.add_argument("--static", action="store_true",
                         help="compile each launch shape for --arch (no GPU needed), no timing")

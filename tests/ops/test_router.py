@@ -94,6 +94,44 @@ def run_launch_shapes() -> dict:
     return report
 
 
+
+def crowded_lane_logits(n_tokens: int, n_experts: int, k: int) -> torch.Tensor:
+    """Rows whose k + 1 largest logits all lie in lane 0's columns (column // 4 % 32 == 0: the
+    columns one lane loads in the kernel's row block) or, every other row, in the columns
+    32 x 4 apart from each other across lanes 0 and 1: a lane then holds more than 4 of the top
+    k + 1, so those rows must be picked again over every key."""
+    gen = torch.Generator().manual_seed(2)
+    pool = sigmoid_agreeing_values(torch.float32)
+    logits = pool[torch.randint(len(pool) // 2, (n_tokens, n_experts), generator=gen)]
+    lane0 = [c for c in range(n_experts) if c // 4 % 32 == 0]
+    lanes01 = [c for c in range(n_experts) if c // 4 % 32 in (0, 1)]
+    top = pool[-(k + 1):]  # distinct values above every other logit
+    for t in range(n_tokens):
+        cols = (lane0 if t % 2 else lanes01)[: k + 1]
+        logits[t, cols] = top[torch.randperm(k + 1, generator=gen)]
+    return logits
+
+
+def run_lane_top4() -> dict:
+    """Picking among each lane's 4 largest keys first gives the reference's bits: on random rows
+    (where that is exact in nearly every row), on rows where one or two lanes hold the whole top
+    k + 1 (picked again over every key), and on rows of ties (every row picked again)."""
+    from titan_moe.ops.router.qb_route_triton import launch_qb_route
+
+    random_logits, bias, valid = make_inputs(33, 300, "random", True, torch.float32)
+    ties_logits, ties_bias, _ = make_inputs(9, 600, "ties", False, torch.float32)
+    inputs = {"random-E300": (random_logits, bias, valid, 16),
+              "random-E896": (*make_inputs(12, 896, "random", False, torch.float32)[:2], None,
+                              16),
+              "crowded-E896": (crowded_lane_logits(10, 896, 16), torch.zeros(896), None, 16),
+              "ties-E600": (ties_logits, ties_bias, None, 8)}
+    report = {}
+    for name, (logits, b, v, k) in inputs.items():
+        want = qb_route_naive(logits, b, k, 1.0, 1000, v)
+        got = launch_qb_route(logits, b, v, k, 1.0, 1000, True, lane_top4=True)
+        report[name] = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    return report
+
 def run_shared_counting() -> dict:
     """The kernel writing each bin as int16 for `count_bins` (counting "shared") gives the
     reference's four outputs bit for bit: on CPU count_bins is its scatter_add reference, so this
@@ -135,6 +173,11 @@ def test_opcheck_schema_and_autograd(results):
 
 def test_shared_counting_gives_the_same_bits(results):
     assert results["shared_counting"] == dict.fromkeys(CASES, True)
+
+
+def test_lane_top4_gives_the_same_bits(results):
+    assert results["lane_top4"] == {"random-E300": True, "random-E896": True,
+                                    "crowded-E896": True, "ties-E600": True}
 
 
 def test_launch_shapes_give_the_same_bits(results):
@@ -218,4 +261,5 @@ if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck),
                       "launch_shapes": guarded(run_launch_shapes),
-                      "shared_counting": guarded(run_shared_counting)}))
+                      "shared_counting": guarded(run_shared_counting),
+                      "lane_top4": guarded(run_lane_top4)}))

@@ -7,7 +7,11 @@ program for sm_90 as launched, against one warp's 2, from layout conversions; be
     s = σ(logit);  key = order-preserving int32 of s + b
 k+1 rounds each take the row max of the keys, the lowest expert index holding it (ties go to the
 lower index), and knock that one key out; int32 keys need one min/max instruction an element
-where int64 (value, index) pairs needed four. The k routed scores are re-read (L1-hot) and
+where int64 (value, index) pairs needed four. Rows of 512 to 1024 columns first keep each lane's
+4 largest keys (four rounds over its 16 to 32) and run the k+1 rounds over those 32 x 4, about
+a third fewer instructions at E 896 (`use_lane_top4`); a row where some lane held more of the
+top k+1 (its 5th key not below the (k+1)-th, ties included) is picked again over every key, so
+the result is the same. The k routed scores are re-read (L1-hot) and
 summed left to right, so the weights are bit-equal to `naive.qb_route_naive`; the (k+1)-th max
 decodes to alpha exactly, and each (token, expert) bin of r = alpha - s is counted with a
 relaxed atomic add into [E, n_bins] int32, each routed slot into the [E] load. Nothing [T, E]
@@ -67,13 +71,67 @@ def _key_value(key):
 
 
 @triton.jit
+def _picks(key, cols, row_ptr, row_ok, slots, K: tl.constexpr, BLOCK_K: tl.constexpr,
+           NO_COLUMN: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """K rounds over keys [BLOCK_T, N] of columns cols (broadcast to them): the row max, the
+    lowest column holding it, that key knocked out. -> (ids [BLOCK_T, BLOCK_K] int64, their
+    scores σ re-read from the logits, their sum left to right, the (k+1)-th max key)."""
+    ids = tl.zeros([key.shape[0], BLOCK_K], dtype=tl.int64)
+    chosen = tl.zeros([key.shape[0], BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([key.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(key, axis=1)
+        e = tl.min(tl.where(key == best[:, None], cols, NO_COLUMN), axis=1)
+        s_e = sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
+        total += s_e
+        ids = tl.where(slots[None, :] == j, e[:, None], ids)
+        chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
+        key = tl.where(cols == e[:, None], KNOCKED_OUT, key)
+    return ids, chosen, total, tl.max(key, axis=1)
+
+
+@triton.jit
+def _lane_max(key4, col4, NO_COLUMN: tl.constexpr):
+    """Each lane's largest key of key4 [BLOCK_T, V, 32, 4] (lane = dim 2), its lowest column on
+    ties, and key4 with it knocked out."""
+    m = tl.max(tl.max(key4, axis=3), axis=1)
+    at = tl.min(tl.min(tl.where(key4 == m[:, None, :, None], col4, NO_COLUMN), axis=3), axis=1)
+    return m, at, tl.where(col4 == at[:, None, :, None], KNOCKED_OUT, key4)
+
+
+@triton.jit
+def _picks_of_four(k0, c0, k1, c1, k2, c2, k3, c3, row_ptr, row_ok, slots, K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NO_COLUMN: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """_picks over four [BLOCK_T, 32] key and column arrays, as one of 128 columns a row."""
+    ids = tl.zeros([k0.shape[0], BLOCK_K], dtype=tl.int64)
+    chosen = tl.zeros([k0.shape[0], BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([k0.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), axis=1)[:, None]
+        e = tl.min(tl.minimum(
+            tl.minimum(tl.where(k0 == best, c0, NO_COLUMN), tl.where(k1 == best, c1, NO_COLUMN)),
+            tl.minimum(tl.where(k2 == best, c2, NO_COLUMN), tl.where(k3 == best, c3, NO_COLUMN))),
+            axis=1)
+        s_e = sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
+        total += s_e
+        ids = tl.where(slots[None, :] == j, e[:, None], ids)
+        chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
+        k0 = tl.where(c0 == e[:, None], KNOCKED_OUT, k0)
+        k1 = tl.where(c1 == e[:, None], KNOCKED_OUT, k1)
+        k2 = tl.where(c2 == e[:, None], KNOCKED_OUT, k2)
+        k3 = tl.where(c3 == e[:, None], KNOCKED_OUT, k3)
+    top = tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3))
+    return ids, chosen, total, tl.max(top, axis=1)
+
+
+@triton.jit
 def qb_route_kernel(
     logits_ptr, bias_ptr, valid_ptr, ids_ptr, weights_ptr, hist_ptr, bins_ptr,
     load_ptr, n_tokens, stride_t, route_scale,
     E: tl.constexpr, K: tl.constexpr, N_BINS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, WRITE_BINS: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, LANE_TOP4: tl.constexpr,
 ):  # fmt: skip
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, the weights
     # would be computed in fp64 and rounded once, not bit-equal to the fp32 reference.
@@ -91,17 +149,30 @@ def qb_route_kernel(
     # s > 0, so s + b is never -0.0 and the int order equals the float order.
     key = tl.where(in_tile, _order_key(s + b[None, :]), KNOCKED_OUT)
 
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
-    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for j in tl.static_range(K):
-        best = tl.max(key, axis=1)
-        e = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        s_e = sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
-        total += s_e
-        ids = tl.where(slots[None, :] == j, e[:, None], ids)
-        chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
-        key = tl.where(cols[None, :] == e[:, None], KNOCKED_OUT, key)
+    if LANE_TOP4:
+        # Each lane's 4 largest keys (of the columns it loaded, 4 a vector), then the K picks
+        # over the warp's 32 x 4: exact unless some lane held more of the top k + 1, i.e. its
+        # next key is not below the (k+1)-th (ties included); then the row is picked again over
+        # every key. The four stay apart, in the layout their reductions give (stacking them
+        # cost a shared-memory layout conversion each, sm_90 SASS).
+        key4 = tl.reshape(key, [BLOCK_T, BLOCK_E // 128, 32, 4])
+        col4 = tl.reshape(cols, [BLOCK_E // 128, 32, 4])[None, :, :, :]
+        k0, c0, key4 = _lane_max(key4, col4, BLOCK_E)
+        k1, c1, key4 = _lane_max(key4, col4, BLOCK_E)
+        k2, c2, key4 = _lane_max(key4, col4, BLOCK_E)
+        k3, c3, key4 = _lane_max(key4, col4, BLOCK_E)
+        rest = tl.max(tl.max(tl.max(key4, axis=3), axis=1), axis=1)
+        ids, chosen, total, next_key = _picks_of_four(
+            k0, c0, k1, c1, k2, c2, k3, c3, row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E,
+            LIBDEVICE)
+        if tl.max((row_ok & (rest >= next_key)).to(tl.int32), axis=0) > 0:
+            # The keys again from s and b (live for the histogram), not kept in registers.
+            key = tl.where(in_tile, _order_key(s + b[None, :]), KNOCKED_OUT)
+            ids, chosen, total, next_key = _picks(
+                key, cols[None, :], row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E, LIBDEVICE)
+    else:
+        ids, chosen, total, next_key = _picks(
+            key, cols[None, :], row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E, LIBDEVICE)
 
     slot_ok = row_ok[:, None] & (slots[None, :] < K)
     out_offs = rows.to(tl.int64)[:, None] * K + slots[None, :]
@@ -114,7 +185,7 @@ def qb_route_kernel(
         if HAS_VALID:
             counted = counted & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
         # Rows past T hold only knocked-out keys, which decode to NaN: give them a number.
-        alpha = tl.where(row_ok, _key_value(tl.max(key, axis=1)), 0.0)
+        alpha = tl.where(row_ok, _key_value(next_key), 0.0)
         lo = tl.min(tl.where(col_ok, b, float("inf")), axis=0) - 1.0
         hi = tl.max(tl.where(col_ok, b, float("-inf")), axis=0) + 1.0
         span = hi - lo
@@ -138,6 +209,15 @@ def launch_shape(n_experts: int) -> tuple[int, int, int]:
     block_e = triton.next_power_of_2(n_experts)
     num_warps = min(32, max(1, block_e // WARP_ROW_ELEMENTS))
     return max(1, 1024 // block_e), block_e, num_warps
+
+
+def use_lane_top4(block_e: int) -> bool:
+    """Rows of 512 or 1024 columns (16 or 32 keys a lane). sm_90, T 16384, E 896, k 16, fp32
+    logits (ptxas, Triton 3.6): 3,312 SASS a row where no lane holds more than 4 of the top 17,
+    against the picks over every key's 4,952 (2,576 against 4,096 without the histogram); 210
+    registers uncapped, 168 with no spill under maxnreg 168 (the plain picks take 165). At 2,048
+    columns it spills."""
+    return 512 <= block_e <= 1024
 
 
 def validate_route_inputs(logits: Tensor, bias: Tensor, top_k: int, valid: Tensor | None) -> None:
@@ -165,6 +245,7 @@ def launch_qb_route(
     block_t_and_warps: tuple[int, int] | None = None,
     maxnreg: int | None = None,
     counting: str | None = None,
+    lane_top4: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's body: one kernel launch, at `launch_shape` unless (BLOCK_T, num_warps) is given,
     with ptxas's own register count unless `maxnreg` caps it (bench/qb_route.py compares launch
@@ -173,6 +254,9 @@ def launch_qb_route(
     counting: how the histogram is counted. "atomic": relaxed global atomics in the kernel;
     "shared": the kernel writes each (token, expert) bin as int16 and `count_bins` counts them
     (in shared memory on CUDA where NVRTC builds its kernel); None: DEFAULT_COUNTING.
+
+    lane_top4: pick among each lane's 4 largest keys first (the picks redone over every key
+    where that is not exact); None: `use_lane_top4`. Both give the same bits.
     """
     validate_route_inputs(logits, bias, top_k, valid)
     if counting is None:
@@ -196,13 +280,18 @@ def launch_qb_route(
     block_t, block_e, num_warps = launch_shape(n_experts)
     if block_t_and_warps is not None:
         block_t, num_warps = block_t_and_warps
+    if lane_top4 is None:
+        lane_top4 = use_lane_top4(block_e)
+    if lane_top4 and block_e < 128:
+        raise ValueError(f"lane_top4 needs E > 64 (128 columns a row block), got E={n_experts}")
     wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
         logits, bias.float().contiguous(), valid, ids, weights, hist, bins, load,
         n_tokens, logits.stride(0), route_scale,
         E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
         WITH_HIST=with_histogram, WRITE_BINS=write_bins, LIBDEVICE=logits.is_cuda,
-        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        LANE_TOP4=lane_top4, num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if write_bins:
         hist = count_bins(bins, n_bins)
