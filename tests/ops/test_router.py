@@ -248,6 +248,14 @@ def test_bad_inputs_name_the_field(shape, bias_shape, k, valid_shape, field):
         qb_route(torch.zeros(shape), torch.zeros(bias_shape), k, valid=valid)
 
 
+def test_lane_top4_on_short_rows_names_the_field():
+    from titan_moe.ops.router.qb_route_triton import launch_qb_route
+
+    with pytest.raises(ValueError, match="lane_top4"):
+        launch_qb_route(torch.zeros(4, 64), torch.zeros(64), None, 2, 1.0, 1000, True,
+                        lane_top4=True)
+
+
 @pytest.mark.parametrize(("counting", "n_bins"), [("sorted", 1000), ("shared", 2**15)])
 def test_bad_counting_names_the_field(counting, n_bins):
     from titan_moe.ops.router.qb_route_triton import launch_qb_route

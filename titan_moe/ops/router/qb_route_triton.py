@@ -166,8 +166,6 @@ def qb_route_kernel(
             k0, c0, k1, c1, k2, c2, k3, c3, row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E,
             LIBDEVICE)
         if tl.max((row_ok & (rest >= next_key)).to(tl.int32), axis=0) > 0:
-            # The keys again from s and b (live for the histogram), not kept in registers.
-            key = tl.where(in_tile, _order_key(s + b[None, :]), KNOCKED_OUT)
             ids, chosen, total, next_key = _picks(
                 key, cols[None, :], row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E, LIBDEVICE)
     else:
