@@ -88,6 +88,9 @@ step run_train_profile env CONFIG_FILE=configs/proxy.toml ./run_train.sh --train
 step run_train_gaps bash -c "python3 bench/trace_gaps.py $out/run_train_profile/profile_traces/iteration_30/rank0_trace.json; python3 bench/trace_host.py $out/run_train_profile/profile_traces/iteration_30/rank0_trace.json"
 step plan_validate python3 -m titan_moe.plan --config configs/proxy.toml --validate --out "$out/plan.json"
 step float8_tests python3 -m pytest -m gpu tests/gpu/test_float8_cuda.py -p no:cacheprovider -rfE
+# Issue 21: which of the proxy's converted linears gain from float8, per recipe, and their sum.
+step float8_linear python3 bench/float8_linear.py --recipes rowwise,tensorwise \
+    --out "$out/float8_linear.json"
 step float8_training python3 bench/float8_training.py --steps 300 --compile --out "$out/float8_training.json"
 # Issue 23.3: TTFT and compiled, CUDA-graphed decode at 1K..512K; one step per batch size (one
 # compile each, then a graph capture per context), both merged into one JSON. Batch 8 at 512K
