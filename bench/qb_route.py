@@ -17,7 +17,7 @@ At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters
   op no hist    the op without the histogram and the load (what inference runs): the
                 difference to `op` is what counting the histogram costs (eager and graphed);
   op all keys   the op's k+1 picks over every key of a row, not first over each lane's 4
-                largest (the default at 512 to 1024 columns; 3,312 against 4,952 SASS a row, sm_90),
+                largest (the default at 512 to 1024 columns; 3,072 against 4,640 SASS a row, sm_90),
                 after checking its outputs equal the op's (eager and graphed);
   op BTxW       the same kernel at BLOCK_T x num_warps from --launch-shapes, after checking that
                 its outputs equal the op's bit for bit (eager and graphed);
@@ -36,8 +36,8 @@ zeroed and counted) over the measured copy bandwidth. --static compiles each lau
 --arch with no GPU (Triton ships ptxas and nvdisasm) and reports registers, spills, barriers and
 SASS instructions a token row: the kernel has no runtime loop, so that is what a warp issues per
 row, a GPU-free proxy for the op's issue-bound time (where the op first picks among each lane's
-4 largest keys, the count includes the rarely run picks over every key: 6,520 at E 896, of which
-a row issues 3,312 when it needs no second pick). Prints a table and writes JSON (--out).
+4 largest keys, the count includes the rarely run picks over every key: 5,656 at E 896, of which
+a row issues 3,072 when it needs no second pick). Prints a table and writes JSON (--out).
 """
 
 import argparse

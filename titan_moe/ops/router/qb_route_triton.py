@@ -11,7 +11,7 @@ where int64 (value, index) pairs needed four. Rows of 512 to 1024 columns first 
 4 largest keys (four rounds over its 16 to 32) and run the k+1 rounds over those 32 x 4, about
 a third fewer instructions at E 896 (`use_lane_top4`); a row where some lane held more of the
 top k+1 (its 5th key not below the (k+1)-th, ties included) is picked again over every key, so
-the result is the same. The k routed scores are re-read (L1-hot) and
+the result is the same. The k routed scores are re-read in one gather (L1-hot) and
 summed left to right, so the weights are bit-equal to `naive.qb_route_naive`; the (k+1)-th max
 decodes to alpha exactly, and each (token, expert) bin of r = alpha - s is counted with a
 relaxed atomic add into [E, n_bins] int32, each routed slot into the [E] load. Nothing [T, E]
@@ -71,23 +71,19 @@ def _key_value(key):
 
 
 @triton.jit
-def _picks(key, cols, row_ptr, row_ok, slots, K: tl.constexpr, BLOCK_K: tl.constexpr,
-           NO_COLUMN: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _picks(key, cols, slots, K: tl.constexpr, BLOCK_K: tl.constexpr,
+           NO_COLUMN: tl.constexpr):
     """K rounds over keys [BLOCK_T, N] of columns cols (broadcast to them): the row max, the
-    lowest column holding it, that key knocked out. -> (ids [BLOCK_T, BLOCK_K] int64, their
-    scores σ re-read from the logits, their sum left to right, the (k+1)-th max key)."""
+    lowest column holding it, that key knocked out. -> (ids [BLOCK_T, BLOCK_K] int64, the
+    (k+1)-th max key). No pointer enters (Inductor's write analysis of the kernel traces the
+    atomics' addresses, load + ids, back through a call's arguments)."""
     ids = tl.zeros([key.shape[0], BLOCK_K], dtype=tl.int64)
-    chosen = tl.zeros([key.shape[0], BLOCK_K], dtype=tl.float32)
-    total = tl.zeros([key.shape[0]], dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(key, axis=1)
         e = tl.min(tl.where(key == best[:, None], cols, NO_COLUMN), axis=1)
-        s_e = sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
-        total += s_e
         ids = tl.where(slots[None, :] == j, e[:, None], ids)
-        chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
         key = tl.where(cols == e[:, None], KNOCKED_OUT, key)
-    return ids, chosen, total, tl.max(key, axis=1)
+    return ids, tl.max(key, axis=1)
 
 
 @triton.jit
@@ -100,28 +96,23 @@ def _lane_max(key4, col4, NO_COLUMN: tl.constexpr):
 
 
 @triton.jit
-def _picks_of_four(k0, c0, k1, c1, k2, c2, k3, c3, row_ptr, row_ok, slots, K: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NO_COLUMN: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _picks_of_four(k0, c0, k1, c1, k2, c2, k3, c3, slots, K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NO_COLUMN: tl.constexpr):
     """_picks over four [BLOCK_T, 32] key and column arrays, as one of 128 columns a row."""
     ids = tl.zeros([k0.shape[0], BLOCK_K], dtype=tl.int64)
-    chosen = tl.zeros([k0.shape[0], BLOCK_K], dtype=tl.float32)
-    total = tl.zeros([k0.shape[0]], dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), axis=1)[:, None]
         e = tl.min(tl.minimum(
             tl.minimum(tl.where(k0 == best, c0, NO_COLUMN), tl.where(k1 == best, c1, NO_COLUMN)),
             tl.minimum(tl.where(k2 == best, c2, NO_COLUMN), tl.where(k3 == best, c3, NO_COLUMN))),
             axis=1)
-        s_e = sigmoid(tl.load(row_ptr + e, mask=row_ok, other=0.0).to(tl.float32), LIBDEVICE)
-        total += s_e
         ids = tl.where(slots[None, :] == j, e[:, None], ids)
-        chosen = tl.where(slots[None, :] == j, s_e[:, None], chosen)
         k0 = tl.where(c0 == e[:, None], KNOCKED_OUT, k0)
         k1 = tl.where(c1 == e[:, None], KNOCKED_OUT, k1)
         k2 = tl.where(c2 == e[:, None], KNOCKED_OUT, k2)
         k3 = tl.where(c3 == e[:, None], KNOCKED_OUT, k3)
     top = tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3))
-    return ids, chosen, total, tl.max(top, axis=1)
+    return ids, tl.max(top, axis=1)
 
 
 @triton.jit
@@ -162,17 +153,21 @@ def qb_route_kernel(
         k2, c2, key4 = _lane_max(key4, col4, BLOCK_E)
         k3, c3, key4 = _lane_max(key4, col4, BLOCK_E)
         rest = tl.max(tl.max(tl.max(key4, axis=3), axis=1), axis=1)
-        ids, chosen, total, next_key = _picks_of_four(
-            k0, c0, k1, c1, k2, c2, k3, c3, row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E,
-            LIBDEVICE)
+        ids, next_key = _picks_of_four(k0, c0, k1, c1, k2, c2, k3, c3, slots, K, BLOCK_K,
+                                       BLOCK_E)
         if tl.max((row_ok & (rest >= next_key)).to(tl.int32), axis=0) > 0:
-            ids, chosen, total, next_key = _picks(
-                key, cols[None, :], row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E, LIBDEVICE)
+            ids, next_key = _picks(key, cols[None, :], slots, K, BLOCK_K, BLOCK_E)
     else:
-        ids, chosen, total, next_key = _picks(
-            key, cols[None, :], row_ptr, row_ok, slots, K, BLOCK_K, BLOCK_E, LIBDEVICE)
+        ids, next_key = _picks(key, cols[None, :], slots, K, BLOCK_K, BLOCK_E)
 
     slot_ok = row_ok[:, None] & (slots[None, :] < K)
+    # The k routed scores re-read in one gather and summed left to right, as the reference
+    # does (each term a masked row sum of one nonzero: exact).
+    chosen = sigmoid(tl.load(row_ptr[:, None] + ids, mask=slot_ok, other=0.0).to(tl.float32),
+                     LIBDEVICE)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in tl.static_range(K):
+        total += tl.sum(tl.where(slots[None, :] == j, chosen, 0.0), axis=1)
     out_offs = rows.to(tl.int64)[:, None] * K + slots[None, :]
     weights = tl.math.div_rn(chosen, total[:, None]) * route_scale
     tl.store(ids_ptr + out_offs, ids, mask=slot_ok)
@@ -211,9 +206,9 @@ def launch_shape(n_experts: int) -> tuple[int, int, int]:
 
 def use_lane_top4(block_e: int) -> bool:
     """Rows of 512 or 1024 columns (16 or 32 keys a lane). sm_90, T 16384, E 896, k 16, fp32
-    logits (ptxas, Triton 3.6): 3,312 SASS a row where no lane holds more than 4 of the top 17,
-    against the picks over every key's 4,952 (2,576 against 4,096 without the histogram); 210
-    registers uncapped, 168 with no spill under maxnreg 168 (the plain picks take 165). At 2,048
+    logits (ptxas, Triton 3.6): 3,072 SASS a row where no lane holds more than 4 of the top 17,
+    against the picks over every key's 4,640 (2,264 against 3,784 without the histogram); 197
+    registers uncapped, 168 with no spill under maxnreg 168 (the plain picks take 168). At 2,048
     columns it spills."""
     return 512 <= block_e <= 1024
 
