@@ -21,12 +21,8 @@ class LatentKeys:
     def project(inputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...],
                 options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         c_kv, k_rope = inputs
-        w_kvb = weights[1]
-        heads, nope, _ = options
-        kv = F.linear(_normed(c_kv, weights[0], options[2]), w_kvb).unflatten(-1, (heads, -1))
-        k_nope, v = kv.split([nope, kv.shape[-1] - nope], dim=-1)
-        rope = k_rope.unsqueeze(2).expand(*k_rope.shape[:2], heads, k_rope.shape[-1])
-        return torch.cat([k_nope, rope], dim=-1), v
+        heads, nope, eps = options
+        return _keys_values(_normed(c_kv, weights[0], eps), k_rope, weights[1], heads, nope)
 
     @staticmethod
     def backward(dk: torch.Tensor, dv: torch.Tensor, inputs: tuple[torch.Tensor, ...],
@@ -35,10 +31,8 @@ class LatentKeys:
         c_kv, k_rope = inputs
         norm_weight, w_kvb = weights
         _, nope, eps = options
-        c = _normed(c_kv, norm_weight, eps)
-        dkv = torch.cat([dk[..., :nope], dv], dim=-1).flatten(-2)  # [B, s, H (N + V)]
-        d_w_kvb = dkv.flatten(0, 1).t() @ c.flatten(0, 1)
-        dc = dkv @ w_kvb
+        dc, d_w_kvb, d_rope = _keys_values_backward(
+            dk, dv, _normed(c_kv, norm_weight, eps), w_kvb, nope)
         wide = torch.promote_types(c_kv.dtype, torch.float32)
         x = c_kv.to(wide)
         r = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
@@ -46,8 +40,24 @@ class LatentKeys:
         g = dc.to(wide) * norm_weight.to(wide)
         dx = r * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
         d_norm = (dc.to(wide) * x_hat).flatten(0, 1).sum(0)
-        d_rope = dk[..., nope:].sum(2)
         return (dx.to(c_kv.dtype), d_rope.to(k_rope.dtype)), (d_norm, d_w_kvb)
+
+
+def _keys_values(c: torch.Tensor, k_rope: torch.Tensor, w_kvb: torch.Tensor, heads: int,
+                 nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[k_nope | v] = c W_kvbᵀ per head; k = [k_nope | k_rope] (k_rope shared by the heads)."""
+    kv = F.linear(c, w_kvb).unflatten(-1, (heads, -1))
+    k_nope, v = kv.split([nope, kv.shape[-1] - nope], dim=-1)
+    rope = k_rope.unsqueeze(2).expand(*k_rope.shape[:2], heads, k_rope.shape[-1])
+    return torch.cat([k_nope, rope], dim=-1), v
+
+
+def _keys_values_backward(dk: torch.Tensor, dv: torch.Tensor, c: torch.Tensor,
+                          w_kvb: torch.Tensor, nope: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_keys_values' gradients: (dc, dW_kvb, dk_rope)."""
+    dkv = torch.cat([dk[..., :nope], dv], dim=-1).flatten(-2)  # [B, s, H (N + V)]
+    return dkv @ w_kvb, dkv.flatten(0, 1).t() @ c.flatten(0, 1), dk[..., nope:].sum(2)
 
 
 def _normed(c_kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,18 +77,13 @@ class CachedLatentKeys:
                 options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         heads, nope, latent = options
         c, k_rope = inputs[0].split([latent, inputs[0].shape[-1] - latent], dim=-1)
-        kv = F.linear(c, weights[0]).unflatten(-1, (heads, -1))
-        k_nope, v = kv.split([nope, kv.shape[-1] - nope], dim=-1)
-        rope = k_rope.unsqueeze(2).expand(*k_rope.shape[:2], heads, k_rope.shape[-1])
-        return torch.cat([k_nope, rope], dim=-1), v
+        return _keys_values(c, k_rope, weights[0], heads, nope)
 
     @staticmethod
     def backward(dk: torch.Tensor, dv: torch.Tensor, inputs: tuple[torch.Tensor, ...],
                  weights: tuple[torch.Tensor, ...], options: tuple
                  ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         _, nope, latent = options
-        kv, w_kvb = inputs[0], weights[0]
-        dkv = torch.cat([dk[..., :nope], dv], dim=-1).flatten(-2)  # [B, s, H (N + V)]
-        d_w_kvb = dkv.flatten(0, 1).t() @ kv[..., :latent].flatten(0, 1)
-        d_kv = torch.cat([dkv @ w_kvb, dk[..., nope:].sum(2)], dim=-1)
-        return (d_kv.to(kv.dtype),), (d_w_kvb,)
+        kv = inputs[0]
+        dc, d_w_kvb, d_rope = _keys_values_backward(dk, dv, kv[..., :latent], weights[0], nope)
+        return (torch.cat([dc, d_rope], dim=-1).to(kv.dtype),), (d_w_kvb,)
