@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import triton
 from report import write_json
-from timing import copy_bandwidth, event_timed
+from timing import copy_bandwidth, event_timed, graphed_ms
 
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.router import Router
@@ -96,20 +96,6 @@ def static_row(tokens: int, experts: int, k: int, shape: tuple[int, int], arch: 
 def op_bytes(tokens: int, experts: int, k: int) -> int:
     """Logits read, ids (int64) and weights (fp32) written, the histogram zeroed and counted."""
     return tokens * experts * 4 + tokens * k * 12 + 2 * experts * N_BINS * 4
-
-
-def graphed_ms(fn, warmup: int, iters: int) -> float:
-    """Median ms of fn captured in a CUDA graph and replayed: its device time alone, without the
-    host's launch cost, as the CUDA-graphed training step pays it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (JIT, allocator) off the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return event_timed(graph.replay, "cuda", warmup, iters)
 
 
 def repicked_share(logits: torch.Tensor, bias: torch.Tensor, k: int) -> float:

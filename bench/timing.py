@@ -57,6 +57,20 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def graphed_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median ms of fn captured in a CUDA graph and replayed: its device time alone, without the
+    host's launch cost, as the CUDA-graphed training step pays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (JIT, allocator) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return event_timed(graph.replay, "cuda", warmup, iters)
+
+
 def host_issue_ms(fn: Callable[[], object], device: str, iters: int) -> float:
     """Median milliseconds fn() takes to return, started on an idle GPU and not waiting for it:
     the host's time to issue a step's work (plus any wait a host sync inside forces). Close to
