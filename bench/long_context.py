@@ -182,8 +182,11 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
     try:
         tokens = torch.randint(0, vocab, (1, length + 1), device=device)
         doc_ids = (torch.arange(length, device=device) // doc_len).to(torch.int32)[None]
-        for _ in range(warmup):
+        for i in range(warmup):  # each warmup step's time printed: a 1M step takes minutes
+            start = time.perf_counter()
             step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload)
+            print(f"{length:>9} warmup step {i + 1}: {time.perf_counter() - start:.1f} s, peak "
+                  f"{memory.step_peak():.2f} GiB", flush=True)
         times = []
         for _ in range(iters):
             if device == "cuda":
