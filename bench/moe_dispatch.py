@@ -31,8 +31,8 @@ from report import environment
 from timing import copy_bandwidth, event_timed
 
 from titan_moe.cli_args import non_negative, positive
-from titan_moe.model.moe import dispatch_layout
 from titan_moe.ops.moe_dispatch import (
+    dispatch_layout,
     moe_combine,
     moe_combine_naive,
     moe_dispatch,

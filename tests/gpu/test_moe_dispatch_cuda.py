@@ -2,6 +2,7 @@
 reference at the proxy's shape (8192 tokens, top-8 of 64 experts, latent width 1024, groups
 aligned to 8), forward and backward; opcheck with fake tensors; the LatentMoE layer with the
 ops against the layer with the reference path, eager and under torch.compile(fullgraph=True).
+The layout op equals the reference's layout exactly at the issue's MoE shapes (16,384 tokens).
 
 Errors are relative RMS, ||got − want|| / ||want||. grouped is a copy: bit for bit. u and
 dweights are fp32 sums: FP32_RTOL. dz and dexpert_out in bf16 are rounded once (round to
@@ -14,10 +15,17 @@ import pytest
 import torch
 
 import titan_moe.model.moe as moe_module
-from tests.ops.test_moe_dispatch import compare_with_reference, make_inputs, rel_rms
+from tests.ops.test_moe_dispatch import (
+    compare_layout,
+    compare_with_reference,
+    layout_pairs,
+    make_inputs,
+    rel_rms,
+)
 from titan_moe.model.args import get_flavor
 from titan_moe.model.moe import LatentMoE
 from titan_moe.ops.moe_dispatch import (
+    dispatch_layout_rows_triton,
     moe_combine,
     moe_combine_naive,
     moe_combine_triton,
@@ -60,6 +68,22 @@ def test_opcheck_on_cuda():
                                            weights.requires_grad_()))):
         report = torch.library.opcheck(op, args, test_utils=tests)
         assert set(report.values()) == {"SUCCESS"}, report
+
+
+@pytest.mark.parametrize(("n_pairs", "n_experts", "align"), [
+    (16384 * 4, 128, 8), (16384 * 8, 64, 8), (16384 * 16, 896, 16)])
+def test_layout_op_equals_reference_on_cuda(n_pairs, n_experts, align):
+    report = compare_layout(layout_pairs(n_pairs, n_experts, "random").cuda(), n_experts, align)
+    assert report == {"dest": True, "src": True, "offs": True}, report
+
+
+def test_layout_opcheck_on_cuda():
+    sorted_key, order = torch.sort(layout_pairs(300, 37, "random").cuda().to(torch.int16),
+                                   stable=True)
+    report = torch.library.opcheck(
+        dispatch_layout_rows_triton, (sorted_key, order, 37, 16, 864),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    assert set(report.values()) == {"SUCCESS"}, report
 
 
 def _proxy_moe() -> tuple[LatentMoE, torch.Tensor]:

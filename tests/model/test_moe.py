@@ -5,9 +5,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model import token_chunks
-from titan_moe.model.moe import LatentMoE, dispatch_layout
+from titan_moe.model.moe import LatentMoE
 from titan_moe.model.router import Router
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from titan_moe.ops.moe_dispatch import dispatch_layout
 from titan_moe.ops.router import topk_lowest_index_on_ties
 
 FLOAT64_TOL = 1e-10

@@ -1,6 +1,7 @@
 """MoE dispatch and combine: the PyTorch reference against a pair-by-pair loop, and the Triton ops
 (run by Triton's CPU interpreter in a child process, see tests/ops/interpreter.py) against the
-reference in float64.
+reference in float64. The dispatch layout's Triton op (after the sort) against the reference's
+layout: integers, equal exactly (dest, src and offs, values and dtypes).
 
 Op vs reference, as relative RMS error ||got − want|| / ||want||, the reference run in float64
 on the op's inputs (already rounded to their dtypes) and the same output gradients:
@@ -20,8 +21,9 @@ import torch
 
 import titan_moe.ops.moe_dispatch as dispatch_module
 from tests.ops.interpreter import guarded
-from titan_moe.model.moe import dispatch_layout
 from titan_moe.ops.moe_dispatch import (
+    dispatch_layout,
+    dispatch_layout_naive,
     moe_combine,
     moe_combine_naive,
     moe_dispatch,
@@ -38,6 +40,16 @@ CASES = {
     "k2-d1100-align8": (5, 2, 3, 8, 1100, torch.float32),  # two column blocks of 1024
     "k8-d64-align8": (6, 8, 10, 8, 64, torch.float32),
     "bf16-k3-d40-align8": (9, 3, 4, 8, 40, torch.bfloat16),
+}
+# name -> (pairs, experts, group alignment, how the experts are drawn): three programs of
+# positions at 2,500 pairs; E not a power of two; empty groups; every pair on one expert.
+LAYOUT_CASES = {
+    "layout-p41-e6-align1": (41, 6, 1, "random"),
+    "layout-p41-e6-align16": (41, 6, 16, "random"),
+    "layout-p300-e100-align8": (300, 100, 8, "random"),
+    "layout-p2500-e37-align16": (2500, 37, 16, "random"),
+    "layout-p64-e5-one-expert": (64, 5, 8, "one"),
+    "layout-p0-e4-align8": (0, 4, 8, "random"),
 }
 
 
@@ -102,6 +114,31 @@ def run_case(n_tokens, top_k, n_experts, align, width, dtype) -> dict:
                                   make_inputs(n_tokens, top_k, n_experts, align, width, dtype))
 
 
+def layout_pairs(n_pairs: int, n_experts: int, draw: str, seed: int = 0) -> torch.Tensor:
+    """Each pair's expert, int64: uniform with expert 2 left empty ("random"), or all 3."""
+    gen = torch.Generator().manual_seed(seed)
+    if draw == "one":
+        return torch.full((n_pairs,), 3, dtype=torch.int64)
+    pairs = torch.randint(n_experts, (n_pairs,), generator=gen)
+    return torch.where(pairs == 2, 1, pairs)
+
+
+def compare_layout(pair_expert: torch.Tensor, n_experts: int, align: int) -> dict:
+    """The Triton op after the sort (any device) against the reference's layout."""
+    from titan_moe.ops.moe_dispatch import dispatch_layout_rows_triton, layout_rows, sort_key_dtype
+
+    want = dispatch_layout_naive(pair_expert, n_experts, align)
+    sorted_key, order = torch.sort(pair_expert.to(sort_key_dtype(n_experts)), stable=True)
+    got = dispatch_layout_rows_triton(sorted_key, order, n_experts, align,
+                                      layout_rows(pair_expert.numel(), n_experts, align))
+    return {name: bool(g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu()))
+            for name, g, w in zip(("dest", "src", "offs"), got, want, strict=True)}
+
+
+def run_layout_case(n_pairs, n_experts, align, draw) -> dict:
+    return compare_layout(layout_pairs(n_pairs, n_experts, draw), n_experts, align)
+
+
 def run_opcheck() -> dict:
     """torch.library.opcheck of the four ops' schemas and the forwards' autograd registration
     (the fake-tensor check runs on the GPU: under the interpreter Triton touches fake storage)."""
@@ -128,6 +165,11 @@ def run_opcheck() -> dict:
                                              (du, expert_out.detach(), src, weights.detach()),
                                              test_utils=schema),
     }
+    from titan_moe.ops.moe_dispatch import dispatch_layout_rows_triton
+
+    sorted_key, order = torch.sort(layout_pairs(30, 5, "random").to(torch.int16), stable=True)
+    checks["layout"] = torch.library.opcheck(dispatch_layout_rows_triton,
+                                             (sorted_key, order, 5, 8, 64), test_utils=schema)
     return {f"{op}_{name}": str(outcome) for op, report in checks.items()
             for name, outcome in report.items()}
 
@@ -142,6 +184,13 @@ def test_ops_match_float64_reference_under_interpreter(results, name):
               "dweights": FP32_RTOL}
     for key, bound in bounds.items():
         assert report[key] <= bound, (key, report[key], bound)
+
+
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_layout_op_equals_reference_under_interpreter(results, name):
+    report = results[name]
+    assert "error" not in report, report["error"]
+    assert report == {"dest": True, "src": True, "offs": True}, report
 
 
 def test_opcheck_schema_and_autograd(results):
@@ -192,6 +241,11 @@ def test_dispatcher_takes_the_reference_on_cpu(monkeypatch):
 
     monkeypatch.setattr(dispatch_module, "moe_dispatch_triton", refuse)
     monkeypatch.setattr(dispatch_module, "moe_combine_triton", refuse)
+    monkeypatch.setattr(dispatch_module, "dispatch_layout_rows_triton", refuse)
+    pair_expert = layout_pairs(30, 5, "random")
+    for got, want in zip(dispatch_layout(pair_expert, 5, 8),
+                         dispatch_layout_naive(pair_expert, 5, 8), strict=True):
+        assert torch.equal(got, want)
     z, expert_out, weights, dest, src, _, _ = make_inputs(4, 2, 3, 4, 8, torch.float32)
     assert torch.equal(moe_dispatch(z, dest, src, 2), moe_dispatch_naive(z, dest, src.numel(), 2))
     expert_out = expert_out.nan_to_num()
@@ -223,4 +277,5 @@ def test_bad_inputs_name_the_field(z_shape, dest_len, src_shape, w_shape, field)
 
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    reports.update({name: guarded(run_layout_case, *case) for name, case in LAYOUT_CASES.items()})
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

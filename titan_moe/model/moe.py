@@ -11,8 +11,9 @@ groups, each padded with zero rows to a multiple of `group_align` (the grouped G
 buffer has the static size round_up(N·k + E·(align - 1), align) and rows past the last group's
 end are left over. The experts run as grouped GEMMs over the groups; the results are gathered
 back to (token, slot) order and summed with the combine weights. The copy in and the weighted
-gather out are `titan_moe.ops.moe_dispatch` (Triton on CUDA). Every shape is static and nothing
-syncs with the host, so torch.compile(fullgraph=True) traces the layer.
+gather out, and the layout (each pair's row) after the sort, are `titan_moe.ops.moe_dispatch`
+(Triton on CUDA). Every shape is static and nothing syncs with the host, so
+torch.compile(fullgraph=True) traces the layer.
 
 Token chunks (`token_chunk` > 0, long context): the flattened tokens are split into chunks of
 that many (the last may be shorter), each routed, dispatched (its own padded buffer) and run
@@ -31,7 +32,7 @@ from titan_moe.model.router import Router
 from titan_moe.model.situ_glu import SiTUGLU, situ_glu
 from titan_moe.model.token_chunks import checkpointed_chunks
 from titan_moe.ops.grouped_mm import grouped_mm
-from titan_moe.ops.moe_dispatch import moe_combine, moe_dispatch
+from titan_moe.ops.moe_dispatch import dispatch_layout, moe_combine, moe_dispatch
 
 
 class GroupedExperts(nn.Module):
@@ -66,39 +67,6 @@ class GroupedExperts(nn.Module):
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         for w, std in ((self.w1, init_std), (self.w3, init_std), (self.w2, out_init_std)):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-def dispatch_layout(
-    pair_expert: torch.Tensor, n_experts: int, align: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each (token, slot) pair goes in the expert-grouped, padded buffer.
-
-    pair_expert [P] int64 expert of each pair -> (dest [P] int64 row of each pair, src [n_rows]
-    int64 the pair of each row (-1 where none: padding and the tail), offs [E] int32 padded
-    group ends). n_rows is the static buffer size. Pairs keep their order inside a group.
-    """
-    n_pairs = pair_expert.numel()
-    n_rows = _round_up(n_pairs + n_experts * (align - 1), align)
-    # Sorted as int16 keys (int32 past 32,767 experts): a radix sort passes over the key's bits,
-    # 16 here against int64's 64; same order, the sort being stable.
-    key = torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
-    sorted_key, order = torch.sort(pair_expert.to(key), stable=True)
-    sorted_expert = sorted_key.long()
-    experts = torch.arange(n_experts, device=pair_expert.device)
-    ends = torch.searchsorted(sorted_expert, experts + 1)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_counts = (counts + align - 1) // align * align
-    padded_ends = torch.cumsum(padded_counts, 0)
-    # Every pair of group e moves from its sorted position by the group's change of start.
-    shift = (padded_ends - padded_counts) - (ends - counts)
-    dest_sorted = torch.arange(n_pairs, device=pair_expert.device) + shift[sorted_expert]
-    dest = torch.empty_like(order).scatter_(0, order, dest_sorted)
-    src = torch.full((n_rows,), -1, dtype=order.dtype, device=order.device)
-    return dest, src.scatter_(0, dest_sorted, order), padded_ends.to(torch.int32)
 
 
 class LatentMoE(nn.Module):

@@ -1,16 +1,20 @@
-"""The MoE layer's dispatch (token rows into the expert-grouped buffer) and combine (the
-weighted sum of each token's expert rows), laid out like fla's op folders:
+"""The MoE layer's dispatch layout (which buffer row each (token, slot) pair takes), dispatch
+(token rows into the expert-grouped buffer) and combine (the weighted sum of each token's expert
+rows), laid out like fla's op folders:
 
     naive.py                  the PyTorch reference, with the maths
+    layout_triton.py          the layout after the sort (titan_moe::dispatch_layout_rows)
     moe_dispatch_triton.py    the Triton ops (titan_moe::moe_dispatch / moe_combine + backwards)
 
-`moe_dispatch` and `moe_combine` are the entry points: on CUDA the Triton ops, elsewhere the
-reference. The branch is on the device, in Python, before any op is called: Inductor cannot
-compile user Triton kernels for CPU tensors.
+`dispatch_layout`, `moe_dispatch` and `moe_combine` are the entry points: on CUDA the Triton
+ops, elsewhere the reference. The branch is on the device, in Python, before any op is called:
+Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
+import torch
 from torch import Tensor
 
+from titan_moe.ops.moe_dispatch.layout_triton import dispatch_layout_rows_triton
 from titan_moe.ops.moe_dispatch.moe_dispatch_triton import (
     combine_shape,
     moe_combine_bwd_triton,
@@ -19,10 +23,31 @@ from titan_moe.ops.moe_dispatch.moe_dispatch_triton import (
     moe_dispatch_triton,
     validate_moe_dispatch_inputs,
 )
-from titan_moe.ops.moe_dispatch.naive import moe_combine_naive, moe_dispatch_naive
+from titan_moe.ops.moe_dispatch.naive import (
+    dispatch_layout_naive,
+    layout_rows,
+    moe_combine_naive,
+    moe_dispatch_naive,
+    sort_key_dtype,
+)
 
-__all__ = ["moe_combine", "moe_combine_bwd_triton", "moe_combine_naive", "moe_combine_triton",
+__all__ = ["dispatch_layout", "dispatch_layout_naive", "dispatch_layout_rows_triton",
+           "moe_combine", "moe_combine_bwd_triton", "moe_combine_naive", "moe_combine_triton",
            "moe_dispatch", "moe_dispatch_bwd_triton", "moe_dispatch_naive", "moe_dispatch_triton"]
+
+
+def dispatch_layout(
+    pair_expert: Tensor, n_experts: int, align: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """pair_expert [P] int64 expert of each pair -> (dest [P] int64 row of each pair, src
+    [n_rows] int64 the pair of each row, -1 where none, offs [E] int32 padded group ends), rows
+    grouped by expert in pair order, each group padded to a multiple of align; n_rows is the
+    static `layout_rows(P, E, align)`. See `naive` for the maths."""
+    if not pair_expert.is_cuda:
+        return dispatch_layout_naive(pair_expert, n_experts, align)
+    n_rows = layout_rows(pair_expert.numel(), n_experts, align)
+    sorted_key, order = torch.sort(pair_expert.to(sort_key_dtype(n_experts)), stable=True)
+    return dispatch_layout_rows_triton(sorted_key, order, n_experts, align, n_rows)
 
 
 def moe_dispatch(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:

@@ -1,8 +1,12 @@
 """The MoE layer's dispatch and combine in plain PyTorch: the reference of the Triton ops.
 
 The router gives each token t its k experts; pair p = t·k + j is token t's j-th choice, and
-dest[p] is the row of the expert-grouped buffer that pair p takes (`model/moe.py`'s
-dispatch_layout: rows grouped by expert, each group padded with rows no pair takes).
+dest[p] is the row of the expert-grouped buffer that pair p takes (`dispatch_layout_naive`:
+rows grouped by expert, each group padded with rows no pair takes).
+
+    layout     pairs sorted by expert (stable); group e starts at padded_start[e] = Σ_{e'<e}
+               round_up(count[e'], align), and its i-th pair in pair order takes row
+               padded_start[e] + i; src[r] is the pair on row r, -1 where none
 
     dispatch   grouped[dest[p]] = z[p // k],   grouped[r] = 0 on every row no pair takes
     combine    u[t] = Σ_j w[t, j] · expert_out[dest[t·k + j]]   (in w's precision)
@@ -37,3 +41,37 @@ def moe_combine_naive(expert_out: Tensor, dest: Tensor, weights: Tensor) -> Tens
     pair_out = gather_distinct_rows(expert_out, dest).view(n_tokens, top_k, -1)
     dtype = torch.promote_types(expert_out.dtype, weights.dtype)
     return (pair_out.to(dtype) * weights.unsqueeze(-1).to(dtype)).sum(1)
+
+
+def layout_rows(n_pairs: int, n_experts: int, align: int) -> int:
+    """The grouped buffer's static size: every group may need up to align - 1 padding rows."""
+    return -(-(n_pairs + n_experts * (align - 1)) // align) * align
+
+
+def sort_key_dtype(n_experts: int) -> torch.dtype:
+    """int16 keys (int32 past 32,767 experts): a radix sort passes over the key's bits, 16 here
+    against int64's 64; same order, the sort being stable."""
+    return torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def dispatch_layout_naive(
+    pair_expert: Tensor, n_experts: int, align: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """pair_expert [P] int64 expert of each pair -> (dest [P] int64 row of each pair, src
+    [n_rows] int64 the pair of each row (-1 where none: padding and the tail), offs [E] int32
+    padded group ends). n_rows is `layout_rows`. Pairs keep their order inside a group."""
+    n_pairs = pair_expert.numel()
+    n_rows = layout_rows(n_pairs, n_experts, align)
+    sorted_key, order = torch.sort(pair_expert.to(sort_key_dtype(n_experts)), stable=True)
+    sorted_expert = sorted_key.long()
+    experts = torch.arange(n_experts, device=pair_expert.device)
+    ends = torch.searchsorted(sorted_expert, experts + 1)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded_counts, 0)
+    # Every pair of group e moves from its sorted position by the group's change of start.
+    shift = (padded_ends - padded_counts) - (ends - counts)
+    dest_sorted = torch.arange(n_pairs, device=pair_expert.device) + shift[sorted_expert]
+    dest = torch.empty_like(order).scatter_(0, order, dest_sorted)
+    src = torch.full((n_rows,), -1, dtype=order.dtype, device=order.device)
+    return dest, src.scatter_(0, dest_sorted, order), padded_ends.to(torch.int32)
