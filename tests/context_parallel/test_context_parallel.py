@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.distributed.harness import end_rank
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.context_parallel import apply_context_parallel, shard_sequence
@@ -86,8 +87,10 @@ def _worker(rank: int, port: int, backend: str | None) -> None:
             assert _rel(grad, ref.grad) < RTOL, (name, _rel(grad, ref.grad))
         if backend is not None:  # the model ran compiled: every sublayer kind is a graph
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 8
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 @pytest.mark.parametrize("backend", [

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.context_parallel.test_context_parallel import WORLD, _batch, _model
+from tests.distributed.harness import end_rank
 from titan_moe.eval.long_context import NeedleSpec, long_context_metrics
 from titan_moe.parallel.context_parallel import apply_context_parallel
 
@@ -48,8 +49,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         apply_context_parallel(model, dist.group.WORLD)
         results = {"reference": reference, "cp": _metrics(model, dist.group.WORLD)}
         torch.save(results, f"{out}.{rank}")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 def test_two_ranks_give_the_long_context_metrics_of_one(tmp_path):

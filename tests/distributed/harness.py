@@ -11,6 +11,7 @@ it: each rank backpropagates sum(CE) / global tokens (the trainer's chunked loss
 import math
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -204,9 +205,23 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
             results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
     if rank == 0:
         torch.save(results, out)
-    # See titan_moe.train.trainer.run: no rank tears gloo down while its peer still works.
+    end_rank()
+
+
+def end_rank() -> None:
+    """A spawned gloo rank's last call, once its work passed: a barrier (no rank tears gloo down
+    while its peer still works, as titan_moe.train.trainer.run), the group destroyed, and the
+    process left without Python's interpreter shutdown. A gloo worker thread that is still
+    releasing its last work's tensors then asks for the GIL, and Python kills such a thread
+    through a C++ destructor that aborts ("terminate called without an active exception", caught
+    under gdb in a 2-rank gloo script, 2026-12-06); CPU CI saw these tests' ranks die at that
+    point with SIGABRT (`malloc(): unaligned tcache chunk detected`) and SIGSEGV. A failing rank
+    raises before this, and spawn reports it."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_layouts(world_size: int, layouts: list[Layout], out: str,

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from tests.distributed.harness import tiny_args
+from tests.distributed.harness import end_rank, tiny_args
 from tests.distributed.test_pipeline_stages import multimodal_batch
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
@@ -81,8 +81,7 @@ def _worker(rank: int, port: int) -> None:
     assert held, "a stage without parameters"
     for name, param in held.items():
         assert torch.equal(param.grad, want_grads[name]), name
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _free_port() -> int:
@@ -126,8 +125,7 @@ def _routed_worker(rank: int, port: int) -> None:
     if rank == 0:
         tower = [p.grad for n, p in part.named_parameters() if n.startswith("vision.")]
         assert tower and all(g is not None and g.abs().sum() > 0 for g in tower)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _vision_model() -> TitanMoE:
