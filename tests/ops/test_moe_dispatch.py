@@ -125,10 +125,10 @@ def layout_pairs(n_pairs: int, n_experts: int, draw: str, seed: int = 0) -> torc
 
 def compare_layout(pair_expert: torch.Tensor, n_experts: int, align: int) -> dict:
     """The Triton op after the sort (any device) against the reference's layout."""
-    from titan_moe.ops.moe_dispatch import dispatch_layout_rows_triton, layout_rows, sort_key_dtype
+    from titan_moe.ops.moe_dispatch import dispatch_layout_rows_triton, layout_rows, sort_pairs
 
     want = dispatch_layout_naive(pair_expert, n_experts, align)
-    sorted_key, order = torch.sort(pair_expert.to(sort_key_dtype(n_experts)), stable=True)
+    sorted_key, order = sort_pairs(pair_expert, n_experts)
     got = dispatch_layout_rows_triton(sorted_key, order, n_experts, align,
                                       layout_rows(pair_expert.numel(), n_experts, align))
     return {name: bool(g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu()))

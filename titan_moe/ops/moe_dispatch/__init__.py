@@ -11,7 +11,6 @@ ops, elsewhere the reference. The branch is on the device, in Python, before any
 Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
-import torch
 from torch import Tensor
 
 from titan_moe.ops.moe_dispatch.layout_triton import dispatch_layout_rows_triton
@@ -28,12 +27,13 @@ from titan_moe.ops.moe_dispatch.naive import (
     layout_rows,
     moe_combine_naive,
     moe_dispatch_naive,
-    sort_key_dtype,
+    sort_pairs,
 )
 
 __all__ = ["dispatch_layout", "dispatch_layout_naive", "dispatch_layout_rows_triton",
-           "moe_combine", "moe_combine_bwd_triton", "moe_combine_naive", "moe_combine_triton",
-           "moe_dispatch", "moe_dispatch_bwd_triton", "moe_dispatch_naive", "moe_dispatch_triton"]
+           "layout_rows", "moe_combine", "moe_combine_bwd_triton", "moe_combine_naive",
+           "moe_combine_triton", "moe_dispatch", "moe_dispatch_bwd_triton", "moe_dispatch_naive",
+           "moe_dispatch_triton", "sort_pairs"]
 
 
 def dispatch_layout(
@@ -46,7 +46,7 @@ def dispatch_layout(
     if not pair_expert.is_cuda:
         return dispatch_layout_naive(pair_expert, n_experts, align)
     n_rows = layout_rows(pair_expert.numel(), n_experts, align)
-    sorted_key, order = torch.sort(pair_expert.to(sort_key_dtype(n_experts)), stable=True)
+    sorted_key, order = sort_pairs(pair_expert, n_experts)
     return dispatch_layout_rows_triton(sorted_key, order, n_experts, align, n_rows)
 
 

@@ -99,8 +99,6 @@ def dispatch_layout_rows_triton(
     offs = torch.empty(n_experts, dtype=torch.int32, device=device)
     dest = torch.empty(n_pairs, dtype=torch.int64, device=device)
     src = torch.empty(n_rows, dtype=torch.int64, device=device)
-    if n_experts == 0:
-        return dest, src.fill_(-1), offs
     block_e = triton.next_power_of_2(n_experts)
     wrap_triton(group_bounds_kernel)[(1,)](
         sorted_key, bounds, offs, n_pairs, n_experts, ALIGN=align, BLOCK_E=block_e,

@@ -48,10 +48,12 @@ def layout_rows(n_pairs: int, n_experts: int, align: int) -> int:
     return -(-(n_pairs + n_experts * (align - 1)) // align) * align
 
 
-def sort_key_dtype(n_experts: int) -> torch.dtype:
-    """int16 keys (int32 past 32,767 experts): a radix sort passes over the key's bits, 16 here
+def sort_pairs(pair_expert: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """(sorted_key, order): the pairs' experts sorted, stable, and the sort's permutation. The keys
+    are int16 (int32 past 32,767 experts): a radix sort passes over the key's bits, 16 here
     against int64's 64; same order, the sort being stable."""
-    return torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+    key = torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+    return torch.sort(pair_expert.to(key), stable=True)
 
 
 def dispatch_layout_naive(
@@ -62,7 +64,7 @@ def dispatch_layout_naive(
     padded group ends). n_rows is `layout_rows`. Pairs keep their order inside a group."""
     n_pairs = pair_expert.numel()
     n_rows = layout_rows(n_pairs, n_experts, align)
-    sorted_key, order = torch.sort(pair_expert.to(sort_key_dtype(n_experts)), stable=True)
+    sorted_key, order = sort_pairs(pair_expert, n_experts)
     sorted_expert = sorted_key.long()
     experts = torch.arange(n_experts, device=pair_expert.device)
     ends = torch.searchsorted(sorted_expert, experts + 1)
