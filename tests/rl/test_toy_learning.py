@@ -3,7 +3,8 @@ tiny model: the mean reward of the last 5 of 30 updates beats the first 5 by mor
 (the run goes from about 0.07 to about 1.0); the TensorBoard tags are written; a checkpoint is
 saved with its manifest and loads verified, with the trained weights. Also: a crashing
 environment costs its own trajectory only; rollouts through the static cache stay within its
-slot bound; compiled rollouts under autocast train and log their speeds."""
+slot bound; compiled rollouts under autocast train and log their speeds; the rollout warm-up
+compiles the decode step that the rollouts then run, so none compiles in a step."""
 
 import dataclasses
 import math
@@ -111,3 +112,27 @@ def test_compiled_rollouts_under_autocast_report_both_speeds(tmp_path):
     events.Reload()
     for tag in ("rl/rollout_tokens_per_s", "rl/train_tokens_per_s"):
         assert len(events.Scalars(tag)) == 2, tag
+    (warmup,) = events.Scalars("rl/rollout_warmup_s")
+    assert warmup.step == 0 and warmup.value > 0, warmup
+
+
+def test_the_rollout_warmup_compiles_the_step_the_rollouts_run(tmp_path):
+    """Compiles counted by Dynamo (eager backend): one by the warm-up, none more by a rollout of
+    the same batch; a warm-up of another batch size would leave the rollout its own compile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from titan_moe.rl.train import rollout_cache_slots, warm_up_rollouts
+
+    config = _config(tmp_path, 1)
+    rl, env, tokenizer = config.rl, TargetCharEnv(), CharTokenizer()
+    counter = CompileCounterWithBackend("eager")
+    generator = StaticGenerator(load_model(None, config.model_args()), prefill_chunk=64,
+                                max_len=rollout_cache_slots(rl, env.max_turns), mode=None,
+                                backend=counter)
+    torch._dynamo.reset()
+    batch = rl.tasks_per_step * rl.group_size
+    assert warm_up_rollouts(generator, batch, tokenizer.bos_id) > 0
+    assert counter.frame_count == 1
+    rollout(generator, env, tokenizer, random.Random(0), rl.tasks_per_step, rl.group_size,
+            rl.max_turn_tokens, rl.max_len, Sampling())
+    assert counter.frame_count == 1

@@ -9,10 +9,11 @@ advantages, then one AdamW step on the token-level loss with a KL term to the fr
 model, over micro-batches of `rl.micro_batch` rows (rows longer than `rl.chunk_len` in chunks with
 the KDA state carried). With `rl.freeze_qb = false` the update runs in train mode and Quantile
 Balancing steps after the optimizer. `rl.compile_rollouts` decodes through the compiled
-static-cache step (CUDA graphs on CUDA; its first rollout compiles it), `rl.autocast` runs
-rollouts and update under bf16 autocast. TensorBoard (output.dump_folder/tb): rl/reward,
-rl/success_rate, rl/trajectory_length, rl/kl, rl/entropy, rl/loss, rl/grad_norm, rl/failures,
-rl/rollout_tokens_per_s (sampled tokens), rl/train_tokens_per_s (tokens through the update).
+static-cache step (CUDA graphs on CUDA), compiled and captured before the first step so that
+every step's speeds are warm, `rl.autocast` runs rollouts and update under bf16 autocast.
+TensorBoard (output.dump_folder/tb): rl/reward, rl/success_rate, rl/trajectory_length, rl/kl,
+rl/entropy, rl/loss, rl/grad_norm, rl/failures, rl/rollout_tokens_per_s (sampled tokens),
+rl/train_tokens_per_s (tokens through the update), rl/rollout_warmup_s (the compile, once).
 The final model (and every save_interval steps) is written as a DCP checkpoint that
 `python -m titan_moe.serve.generate --checkpoint` reads.
 """
@@ -131,6 +132,20 @@ def build_generator(policy: TitanMoE, rl: RLSection, max_turns: int) -> Generato
     return Generator(policy, prefill_chunk=rl.prefill_chunk)
 
 
+def warm_up_rollouts(generator: Generator, batch: int, bos_id: int) -> float:
+    """Seconds a compiled generator takes to compile its decode step for `batch` rows and, on
+    CUDA, to capture its graphs (cudagraph trees record on the second call, replay from the
+    third), paid here so that the first step's rollout tokens/s is a warm figure. Call it under
+    the rollouts' autocast state: the compiled step is guarded on it."""
+    began = time.perf_counter()
+    session = generator.session(batch)
+    session.extend([[bos_id]] * batch)
+    session.decode(3, Sampling(temperature=0.0))
+    if session.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
 def train(config: RLConfig) -> list[dict[str, float]]:
     """Run config.rl.steps GRPO steps; returns each step's metrics."""
     rl = config.rl
@@ -150,6 +165,12 @@ def train(config: RLConfig) -> list[dict[str, float]]:
     torch_rng = torch.Generator(device=device).manual_seed(rl.seed)
     dump = Path(config.output.dump_folder)
     writer = SummaryWriter(str(dump / "tb"))
+    if rl.compile_rollouts:
+        with amp:
+            warmup_s = warm_up_rollouts(generator, rl.tasks_per_step * rl.group_size,
+                                        tokenizer.bos_id)
+        writer.add_scalar("rl/rollout_warmup_s", warmup_s, 0)
+        print(f"rollout warm-up (decode step compiled and captured): {warmup_s:.1f} s", flush=True)
     history = []
     for step in range(1, rl.steps + 1):
         began = time.perf_counter()
