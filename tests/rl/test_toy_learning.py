@@ -110,7 +110,7 @@ def test_compiled_rollouts_under_autocast_report_both_speeds(tmp_path):
     (run,) = (tmp_path / "tb").iterdir()
     events = EventAccumulator(str(run))
     events.Reload()
-    for tag in ("rl/rollout_tokens_per_s", "rl/train_tokens_per_s"):
+    for tag in ("rl/rollout_tokens_per_s", "rl/train_tokens_per_s", "rl/uniform_groups"):
         assert len(events.Scalars(tag)) == 2, tag
     (warmup,) = events.Scalars("rl/rollout_warmup_s")
     assert warmup.step == 0 and warmup.value > 0, warmup

@@ -27,6 +27,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return (centred / (std + eps)).view(-1).to(rewards.dtype)
 
 
+def uniform_group_share(rewards: torch.Tensor, group_size: int) -> float:
+    """The share of groups whose rewards are all equal: their advantages are 0, so they add no
+    policy gradient (an update of only such groups moves the policy by its KL term alone)."""
+    grouped = rewards.view(-1, group_size)
+    return float((grouped == grouped[:, :1]).all(1).double().mean())
+
+
 def _token_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     logp_all = torch.log_softmax(logits.float(), -1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -12,7 +12,8 @@ Balancing steps after the optimizer. `rl.compile_rollouts` decodes through the c
 static-cache step (CUDA graphs on CUDA), compiled and captured before the first step so that
 every step's speeds are warm, `rl.autocast` runs rollouts and update under bf16 autocast.
 TensorBoard (output.dump_folder/tb): rl/reward, rl/success_rate, rl/trajectory_length, rl/kl,
-rl/entropy, rl/loss, rl/grad_norm, rl/failures, rl/rollout_tokens_per_s (sampled tokens),
+rl/entropy, rl/loss, rl/grad_norm, rl/failures, rl/uniform_groups (groups of equal rewards:
+no policy gradient), rl/rollout_tokens_per_s (sampled tokens),
 rl/train_tokens_per_s (tokens through the update), rl/rollout_warmup_s (the compile, once).
 The final model (and every save_interval steps) is written as a DCP checkpoint that
 `python -m titan_moe.serve.generate --checkpoint` reads.
@@ -39,7 +40,7 @@ from titan_moe.rl.env import Environment, Tokenizer
 from titan_moe.rl.envs.arithmetic import ArithmeticEnv
 from titan_moe.rl.envs.python_exec import PythonExecEnv
 from titan_moe.rl.envs.toy import CharTokenizer, TargetCharEnv
-from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs
+from titan_moe.rl.loss import group_advantages, grpo_loss, token_logprobs, uniform_group_share
 from titan_moe.rl.rollout import Trajectory, rollout
 from titan_moe.serve.generate import Generator, Sampling, load_model
 from titan_moe.serve.static_decode import StaticGenerator
@@ -198,6 +199,7 @@ def train(config: RLConfig) -> list[dict[str, float]]:
             "turns": sum(t.turns for t in trajectories) / len(trajectories),
             "failures": sum(t.info not in ("", "turns", "length") for t in trajectories)
             / len(trajectories),
+            "uniform_groups": uniform_group_share(rewards, rl.group_size),
             "step_time_s": time.perf_counter() - began,
             # Sampled tokens a second of the rollouts (sandboxed tool calls included), and the
             # tokens the update runs through the policy (and the reference) a second.
