@@ -5,15 +5,7 @@ GPU (tests/gpu/test_router_cuda.py). Counts are integers: equality is exact."""
 import pytest
 import torch
 
-from titan_moe.ops.router.bin_counts import (
-    LANES,
-    MAX_BINS,
-    MIN_SPLIT_TOKENS,
-    SHARED_BYTES,
-    count_bins,
-    count_bins_reference,
-    token_splits,
-)
+from titan_moe.ops.router.bin_counts import count_bins, count_bins_reference, experts_per_block
 
 
 def _loop(bins: torch.Tensor, n_bins: int) -> torch.Tensor:
@@ -42,21 +34,13 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize(("n_tokens", "n_experts", "n_sms", "want"),
-                         [(16384, 896, 132, 4), (16384, 64, 132, 16), (8192, 64, 132, 8),
-                          (16384, 4096, 132, 1), (100, 896, 132, 1), (1 << 20, 33, 132, 66)])
-def test_token_splits_fill_the_sms_once(n_tokens, n_experts, n_sms, want):
-    """Blocks (32 experts by a split) at most one an SM, each split at least MIN_SPLIT_TOKENS
-    tokens where there are that many."""
-    splits = token_splits(n_tokens, n_experts, n_sms)
-    assert splits == want
-    blocks = -(-n_experts // LANES) * splits
-    assert splits == 1 or (blocks <= n_sms and n_tokens // splits >= MIN_SPLIT_TOKENS)
-
-
-def test_a_block_of_max_bins_fits_its_shared_memory():
-    assert MAX_BINS * LANES * 4 <= SHARED_BYTES < (MAX_BINS + 1) * LANES * 4
-    assert MAX_BINS >= 1000  # the routers' default n_bins
+@pytest.mark.parametrize(("n_experts", "n_bins", "n_sms", "want"),
+                         [(896, 1000, 132, 7), (64, 1000, 132, 1), (4096, 1000, 132, 12),
+                          (10, 12288, 132, 1)])
+def test_experts_per_block_fills_the_sms_within_shared_memory(n_experts, n_bins, n_sms, want):
+    width = experts_per_block(n_experts, n_bins, n_sms)
+    assert width == want
+    assert width * n_bins * 4 <= 48 * 1024
 
 
 class _Traced(Exception):

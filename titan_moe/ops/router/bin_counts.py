@@ -5,26 +5,16 @@
 `titan_moe::count_bins` is what the routing op calls with `counting="shared"`, where the kernel
 writes each (token, expert) bin instead of adding it to the histogram in global memory: 14.7M
 relaxed global atomics at T 16384, E 896 cost 0.1 ms of the op's 0.25 (H200, 2026-12-05), and
-Triton exposes no shared-memory atomics (bench/qb_histogram_static.py).
-
-A block owns 32 experts, one a lane, over one split of the tokens, in shared memory laid out
-bin-major: counts[b * 32 + lane] is lane's expert's count of bin b, so a lane only ever
-addresses its own bank and the 32 atomics of a warp instruction never meet (bank or address);
-the block's warps, on other tokens, meet only through the atomics. Each warp reads a token's 32
-bins as one coalesced 64-byte row. The blocks of a split write its counts to a partial
-[splits, E, n_bins]; the splits are summed after. The first kernel (2026-12-06) gave each thread
-a token and a few experts' rows: a warp's 32 atomics then went to random banks of one expert's
-row, and to the same address wherever two tokens shared a bin. It counted at about one atomic a
-clock an SM whatever its width, threads, unrolling or splits (0.074-0.089 ms graphed at T 16384,
-E 896 on the H100; `bench/results/count_bins_variants-2026-12-06-h100.json`), and the op lost
-to the global atomics (0.268 against 0.235 ms on the H200). Predicted for this layout on the
-H100 at T 16384, E 896: 28 expert groups x 4 splits, 4,096 warp atomics a block with no
-conflicts, about 5-10 us, plus about 10 us to write and sum the 14 MB of partials.
+Triton exposes no shared-memory atomics (bench/qb_histogram_static.py). Here one CUDA block owns
+a few experts' [n_bins] rows in shared memory over all T tokens, so every count is a
+shared-memory atomic and every histogram entry is written once, with no global atomic and no
+zeroing pass. Predicted ~15 us at T 16384, E 896 on the H200 (7 experts a block, 128 blocks of
+28 KB); measured 0.076 ms graphed (2026-12-06), and with the bins' writes the op lost to the
+atomics (0.268 against 0.235 ms), so the op counts with atomics by default.
 
 The kernel is CUDA C compiled at first use by NVRTC (`torch.cuda._compile_kernel`): the default
 implementation (any other device, and the reference the GPU test compares with) is one
-scatter_add, also where NVRTC is missing or the device cannot give a block SHARED_BYTES
-(`shared_counting_available` says whether the kernel counts).
+scatter_add, also where NVRTC is missing (`shared_counting_available` says whether it is).
 """
 
 import functools
@@ -35,75 +25,49 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-LANES = 32  # experts a block: one a lane of each warp
 BLOCK_THREADS = 512
-SHARED_BYTES = 160 * 1024  # within the opt-in shared memory of sm_80 (163 KB) and sm_90 (227 KB)
-MAX_BINS = SHARED_BYTES // (4 * LANES)  # a block's [n_bins, 32] int32 counts must fit
-MIN_SPLIT_TOKENS = 1024  # fewer tokens a block would spend more on its zeroing and flush
+SHARED_BYTES = 48 * 1024  # what a block gets without opting in to more
+MAX_BINS = SHARED_BYTES // 4  # one expert's int32 row must fit
 
 KERNEL_SOURCE = r"""
-extern "C" __global__ void count_bins(const short* __restrict__ bins, int* __restrict__ partial,
+extern "C" __global__ void count_bins(const short* __restrict__ bins, int* __restrict__ hist,
                                       int n_tokens, int n_experts, int n_bins,
-                                      int tokens_per_split) {
-    extern __shared__ int counts[];  // [n_bins][32]: bin-major, a lane's expert in its own bank
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-    const int first = blockIdx.x * 32;
-    const int expert = first + lane;
-    const int t0 = blockIdx.y * tokens_per_split;
-    const int t1 = min(n_tokens, t0 + tokens_per_split);
-    for (int i = threadIdx.x; i < n_bins * 32; i += blockDim.x) counts[i] = 0;
+                                      int experts_per_block) {
+    extern __shared__ int counts[];
+    const int first = blockIdx.x * experts_per_block;
+    const int width = min(experts_per_block, n_experts - first);
+    const int n_counts = width * n_bins;
+    for (int i = threadIdx.x; i < n_counts; i += blockDim.x) counts[i] = 0;
     __syncthreads();
-    if (expert < n_experts) {
-        const short* column = bins + expert;
-        int t = t0 + warp;
-        // Four tokens' loads in flight before their atomics.
-        for (; t + 3 * warps < t1; t += 4 * warps) {
-            const int b0 = column[(long long)t * n_experts];
-            const int b1 = column[(long long)(t + warps) * n_experts];
-            const int b2 = column[(long long)(t + 2 * warps) * n_experts];
-            const int b3 = column[(long long)(t + 3 * warps) * n_experts];
-            if (b0 >= 0) atomicAdd(&counts[b0 * 32 + lane], 1);
-            if (b1 >= 0) atomicAdd(&counts[b1 * 32 + lane], 1);
-            if (b2 >= 0) atomicAdd(&counts[b2 * 32 + lane], 1);
-            if (b3 >= 0) atomicAdd(&counts[b3 * 32 + lane], 1);
-        }
-        for (; t < t1; t += warps) {
-            const int b = column[(long long)t * n_experts];
-            if (b >= 0) atomicAdd(&counts[b * 32 + lane], 1);
+    // A thread a token: its `width` bins are adjacent int16s, one sector, read once from L2.
+    for (int t = threadIdx.x; t < n_tokens; t += blockDim.x) {
+        const short* row = bins + (long long)t * n_experts + first;
+        for (int j = 0; j < width; ++j) {
+            const int b = row[j];
+            if (b >= 0) atomicAdd(&counts[j * n_bins + b], 1);
         }
     }
     __syncthreads();
-    // Consecutive threads read consecutive experts of a bin (no bank conflict) and write them
-    // n_bins apart; the split's other blocks fill the rest of each line in L2.
-    int* out = partial + (long long)blockIdx.y * n_experts * n_bins;
-    const int width = min(32, n_experts - first);
-    for (int i = threadIdx.x; i < n_bins * 32; i += blockDim.x) {
-        const int e = i & 31;
-        if (e < width) out[(long long)(first + e) * n_bins + (i >> 5)] = counts[i];
-    }
+    int* out = hist + (long long)first * n_bins;
+    for (int i = threadIdx.x; i < n_counts; i += blockDim.x) out[i] = counts[i];
 }
 """
 
 
-def token_splits(n_tokens: int, n_experts: int, n_sms: int) -> int:
-    """Splits of the tokens, so that blocks of 32 experts by split fill the SMs once (a block's
-    counts take most of an SM's shared memory), each split at least MIN_SPLIT_TOKENS."""
-    groups = -(-n_experts // LANES)
-    return max(1, min(n_sms // groups, n_tokens // MIN_SPLIT_TOKENS))
+def experts_per_block(n_experts: int, n_bins: int, n_sms: int) -> int:
+    """Enough experts a block to fill the SMs once, no more than shared memory holds."""
+    return max(1, min(SHARED_BYTES // (4 * n_bins), -(-n_experts // n_sms)))
 
 
 @functools.cache
 def _kernel(device_index: int):
-    """The NVRTC-compiled kernel for one device, or None where NVRTC cannot build it or the
-    device cannot give a block SHARED_BYTES."""
+    """The NVRTC-compiled kernel for one device, or None where NVRTC cannot build it."""
     major, minor = torch.cuda.get_device_capability(device_index)
     try:
         with torch.cuda.device(device_index):
             kernel = torch.cuda._compile_kernel(KERNEL_SOURCE, "count_bins",
                                                 compute_capability=f"{major}{minor}")
-            # the opt-in above 48 KB a block (MAX_BINS bins fill SHARED_BYTES)
+            # torch's launcher asks for an opt-in at 48 KB itself (a row of MAX_BINS fills it)
             kernel.set_shared_memory_config(SHARED_BYTES)
             return kernel
     except (AttributeError, OSError, RuntimeError, TypeError) as err:
@@ -113,8 +77,8 @@ def _kernel(device_index: int):
 
 
 def shared_counting_available(device: torch.device, n_bins: int) -> bool:
-    """Whether `count_bins` counts on this device in shared memory (CUDA, NVRTC present, the
-    device gives a block SHARED_BYTES, a block's 32 experts' rows fit them)."""
+    """Whether `count_bins` counts on this device in shared memory (CUDA, NVRTC present, one
+    expert's row fits a block)."""
     if device.type != "cuda" or not 0 < n_bins <= MAX_BINS:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -148,12 +112,12 @@ def _(bins: Tensor, n_bins: int) -> Tensor:
     kernel = _kernel(bins.device.index)
     n_tokens, n_experts = bins.shape
     bins = bins.contiguous()
+    hist = torch.empty(n_experts, n_bins, dtype=torch.int32, device=bins.device)
     if n_experts == 0:
-        return torch.empty(0, n_bins, dtype=torch.int32, device=bins.device)
+        return hist
     n_sms = torch.cuda.get_device_properties(bins.device).multi_processor_count
-    splits = token_splits(n_tokens, n_experts, n_sms)
-    partial = torch.empty(splits, n_experts, n_bins, dtype=torch.int32, device=bins.device)
-    kernel(grid=(-(-n_experts // LANES), splits, 1), block=(BLOCK_THREADS, 1, 1),
-           args=[bins, partial, n_tokens, n_experts, n_bins, -(-n_tokens // splits)],
-           shared_mem=n_bins * LANES * 4)
-    return partial[0] if splits == 1 else partial.sum(0, dtype=torch.int32)
+    width = experts_per_block(n_experts, n_bins, n_sms)
+    kernel(grid=(-(-n_experts // width), 1, 1), block=(BLOCK_THREADS, 1, 1),
+           args=[bins, hist, n_tokens, n_experts, n_bins, width],
+           shared_mem=width * n_bins * 4)
+    return hist

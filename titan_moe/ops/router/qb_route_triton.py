@@ -30,9 +30,7 @@ find the pairs. Counting in shared memory (atomics Triton does not expose) was b
 measured: with `counting="shared"` the kernel writes each (token, expert) bin as int16 instead,
 and `bin_counts.count_bins` (a CUDA kernel built by NVRTC) counts them there. It lost on the H200
 (2026-12-06, graphed, T 16384, E 896, k 16): 0.268 ms against the atomics' 0.235 (count_bins
-alone 0.076 ms, the bins' writes ~0.04), so the atomics are the default. count_bins now counts
-with a conflict-free layout (bin_counts.py says why), not yet measured: the default follows the
-measurement.
+alone 0.076 ms, the bins' writes ~0.04), so the atomics are the default.
 
 σ is ops/libdevice_math.py's: on CUDA the expression and functions torch.sigmoid's CUDA kernel
 uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
