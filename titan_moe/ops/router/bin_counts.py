@@ -10,7 +10,14 @@ a few experts' [n_bins] rows in shared memory over all T tokens, so every count 
 shared-memory atomic and every histogram entry is written once, with no global atomic and no
 zeroing pass. Predicted ~15 us at T 16384, E 896 on the H200 (7 experts a block, 128 blocks of
 28 KB); measured 0.076 ms graphed (2026-12-06), and with the bins' writes the op lost to the
-atomics (0.268 against 0.235 ms), so the op counts with atomics by default.
+atomics (0.268 against 0.235 ms), so the op counts with atomics by default. Bank conflicts are
+not what bounds it: a block of 32 experts, one a lane, with its counts bin-major (a lane only
+ever addressing its own bank; 83a1689, reverted) was equal to the reference and slower, 0.125 ms
+graphed on the H100 against this kernel's 0.076, in one run:
+`bench/results/qb_route-2026-12-06-h100-83a1689.json`. Both run at about one counted element a
+clock an SM, the rate of the shared-memory atomic unit, so any kernel that counts with shared
+atomics takes >= 56 us here (14.7M on 132 SMs); counting faster needs plain loads and stores on
+counts private to one warp.
 
 The kernel is CUDA C compiled at first use by NVRTC (`torch.cuda._compile_kernel`): the default
 implementation (any other device, and the reference the GPU test compares with) is one
