@@ -13,11 +13,12 @@ zeroing pass. Predicted ~15 us at T 16384, E 896 on the H200 (7 experts a block,
 atomics (0.268 against 0.235 ms), so the op counts with atomics by default. Bank conflicts are
 not what bounds it: a block of 32 experts, one a lane, with its counts bin-major (a lane only
 ever addressing its own bank; 83a1689, reverted) was equal to the reference and slower, 0.125 ms
-graphed on the H100 against this kernel's 0.076, in one run:
-`bench/results/qb_route-2026-12-06-h100-83a1689.json`. Both run at about one counted element a
-clock an SM, the rate of the shared-memory atomic unit, so any kernel that counts with shared
-atomics takes >= 56 us here (14.7M on 132 SMs); counting faster needs plain loads and stores on
-counts private to one warp.
+graphed on an H100 (`bench/results/qb_route-2026-12-06-h100-83a1689.json`) against this
+kernel's 0.076 on another H100 in the previous session (the op with global atomics took 0.231
+and 0.233 ms in the two runs). Both run at about one counted element a clock an SM, the rate of
+the shared-memory atomic unit, so any kernel that counts with shared atomics takes >= 56 us
+here (14.7M on 132 SMs); counting faster needs plain loads and stores on counts private to one
+warp.
 
 The kernel is CUDA C compiled at first use by NVRTC (`torch.cuda._compile_kernel`): the default
 implementation (any other device, and the reference the GPU test compares with) is one
