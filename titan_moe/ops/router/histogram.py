@@ -40,7 +40,10 @@ def qb_histogram(
     r = cutoff.float().unsqueeze(-1) - scores.float()
     # NaN scores (a diverged step, which the trainer then skips) go to bin 0 as in the Triton
     # kernel, instead of becoming an out-of-range index.
-    bins = ((r - lo) * (n_bins / (hi - lo))).floor().nan_to_num(0.0).clamp(0, n_bins - 1)
+    # n_bins / (hi - lo) as one IEEE division, as the kernels compute it: `int / tensor` is
+    # Tensor.__rtruediv__, a reciprocal then a product, off by an ulp for a quarter of biases.
+    scale = torch.full_like(hi, n_bins) / (hi - lo)
+    bins = ((r - lo) * scale).floor().nan_to_num(0.0).clamp(0, n_bins - 1)
     bins = bins.to(torch.int64)
     flat = bins + torch.arange(n_experts, device=scores.device).mul(n_bins)
     if valid is None:
