@@ -1,11 +1,11 @@
 """qb_route's Triton op and the LatentMoE layer on CUDA (`pytest -m gpu`).
 
 The op against its PyTorch reference on the same GPU, with the histogram counted both ways (the
-bins counted in shared memory by count_bins' CUDA kernel, and the kernel's global atomics): ids,
-weights, histogram and load must be equal bit for bit (both compute σ as 1 / (1 + expf(-x))
-with an IEEE division, see qb_route_triton.py), at the routing issue's E = 896, k = 16 and at
-the proxy's E = 64, k = 8; the weight gradient as relative RMS error. count_bins' kernel alone
-against its scatter_add reference. The bf16 layer (torch._grouped_mm, padded groups)
+cutoffs binned and counted in shared memory by count_bins' CUDA kernel, and the kernel's global
+atomics): ids, weights, histogram and load must be equal bit for bit (all compute σ as
+1 / (1 + expf(-x)) with an IEEE division, see qb_route_triton.py), at the routing issue's
+E = 896, k = 16 and at the proxy's E = 64, k = 8; the weight gradient as relative RMS error.
+count_bins' kernel alone against its reference. The bf16 layer (torch._grouped_mm, padded groups)
 against the same layer in float64 on CPU with identical routes forced by a large bias gap (also
 in token chunks, long context's `moe_token_chunk`), and its forward and backward free of host
 syncs (what CUDA graphs need).
@@ -40,20 +40,23 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
-@pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins"),
-                         [(16384, 896, 1000), (4096, 64, 1000), (1000, 130, 12288), (3, 5, 1)])
-def test_count_bins_kernel_equals_reference(n_tokens, n_experts, n_bins):
-    """The shared-memory kernel (NVRTC) against the scatter_add reference, -1 entries skipped;
-    at E 130 the last block holds fewer experts than the others, at 12288 bins one expert's row
-    fills a block's 48 KB."""
-    assert shared_counting_available(torch.device("cuda"), n_bins)
+@pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins", "dtype"), [
+    (16384, 896, 1000, torch.float32), (4096, 64, 1000, torch.float32),
+    (1000, 130, 12288, torch.bfloat16), (3, 5, 1, torch.float32)])
+def test_count_bins_kernel_equals_reference(n_tokens, n_experts, n_bins, dtype):
+    """The shared-memory kernel (NVRTC) against its reference (torch's σ, qb_histogram), NaN
+    cutoffs skipped; at E 130 the last block holds fewer experts than the others, at 12288 bins
+    one expert's row fills a block's 48 KB; bf16 logits through the kernel's bf16 build."""
+    assert shared_counting_available(torch.device("cuda"), n_bins, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bins = torch.randint(-1, n_bins, (n_tokens, n_experts), device="cuda", generator=gen,
-                         dtype=torch.int16)
-    bins[:, 0] = n_bins - 1  # a column on one bin: n_tokens atomics on one address
-    got = count_bins(bins, n_bins)
-    assert torch.equal(got, count_bins_reference(bins, n_bins))
-    assert got.sum().item() == int((bins >= 0).sum())
+    logits = (2 * torch.randn(n_tokens, n_experts, device="cuda", generator=gen)).to(dtype)
+    bias = 0.1 * torch.randn(n_experts, device="cuda", generator=gen)
+    scores = torch.sigmoid(logits.float())
+    alpha = torch.topk(scores + bias, min(2, n_experts)).values[:, -1]
+    alpha[::5] = float("nan")  # tokens not counted
+    got = count_bins(logits, bias, alpha, n_bins)
+    assert torch.equal(got, count_bins_reference(logits, bias, alpha, n_bins))
+    assert got.sum().item() == n_experts * int((~torch.isnan(alpha)).sum())
 
 
 @pytest.mark.parametrize("counting", ["atomic", "shared"])

@@ -1,36 +1,51 @@
-"""count_bins' reference (the op's CPU implementation) against a loop over (token, expert), and
-the op's schema and fake implementation. The CUDA kernel is compared with this reference on the
-GPU (tests/gpu/test_router_cuda.py). Counts are integers: equality is exact."""
+"""count_bins' reference (the op's CPU implementation) against NumPy's fp32 arithmetic over
+every (token, expert), and the op's schema and fake implementation. The CUDA kernel is compared
+with this reference on the GPU (tests/gpu/test_router_cuda.py). Counts are integers: equality is
+exact."""
 
+import numpy as np
 import pytest
 import torch
 
 from titan_moe.ops.router.bin_counts import count_bins, count_bins_reference, experts_per_block
 
 
-def _loop(bins: torch.Tensor, n_bins: int) -> torch.Tensor:
-    hist = torch.zeros(bins.shape[1], n_bins, dtype=torch.int32)
-    for row in bins.tolist():
-        for e, b in enumerate(row):
-            if b >= 0:
-                hist[e, b] += 1
+def _numpy_counts(logits: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
+                  n_bins: int) -> np.ndarray:
+    """The bins in fp32, one IEEE operation at a time, on the same scores (σ is torch's)."""
+    f32 = np.float32
+    s = torch.sigmoid(logits.float()).numpy()
+    b = bias.numpy()
+    lo, hi = f32(b.min()) - f32(1), f32(b.max()) + f32(1)
+    scale = f32(n_bins) / (hi - lo)
+    a = alpha.numpy()
+    counted = ~np.isnan(a)
+    bins = np.clip(np.floor(((a[counted, None] - s[counted]) - lo) * scale), 0, n_bins - 1)
+    hist = np.zeros((logits.shape[1], n_bins), dtype=np.int32)
+    np.add.at(hist, (np.broadcast_to(np.arange(logits.shape[1]), bins.shape),
+                     bins.astype(np.int64)), 1)
     return hist
 
 
-@pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins"), [(50, 7, 13), (1, 3, 1), (0, 4, 5)])
-def test_reference_equals_loop(n_tokens, n_experts, n_bins):
+@pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins"), [(500, 7, 13), (1, 3, 1), (0, 4, 5)])
+def test_reference_equals_numpy(n_tokens, n_experts, n_bins):
     gen = torch.Generator().manual_seed(n_tokens)
-    bins = torch.randint(-1, n_bins, (n_tokens, n_experts), generator=gen, dtype=torch.int16)
-    want = _loop(bins, n_bins)
-    assert torch.equal(count_bins_reference(bins, n_bins), want)
-    assert torch.equal(count_bins(bins, n_bins), want)
-    assert count_bins(bins, n_bins).sum().item() == int((bins >= 0).sum())
+    logits = 2 * torch.randn(n_tokens, n_experts, generator=gen)
+    bias = 0.1 * torch.randn(n_experts, generator=gen)
+    alpha = torch.sigmoid(logits).max(1).values if n_tokens else torch.zeros(0)
+    alpha[::3] = float("nan")  # tokens not counted
+    want = _numpy_counts(logits, bias, alpha, n_bins)
+    assert np.array_equal(count_bins_reference(logits, bias, alpha, n_bins).numpy(), want)
+    assert np.array_equal(count_bins(logits, bias, alpha, n_bins).numpy(), want)
+    assert count_bins(logits, bias, alpha, n_bins).sum().item() == n_experts * int(
+        (~torch.isnan(alpha)).sum())
 
 
 def test_opcheck():
-    bins = torch.randint(-1, 9, (20, 5), generator=torch.Generator().manual_seed(0),
-                         dtype=torch.int16)
-    torch.library.opcheck(count_bins, (bins, 9),
+    gen = torch.Generator().manual_seed(0)
+    logits, bias = torch.randn(20, 5, generator=gen), torch.randn(5, generator=gen)
+    alpha = torch.rand(20, generator=gen)
+    torch.library.opcheck(count_bins, (logits, bias, alpha, 9),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -49,7 +64,7 @@ class _Traced(Exception):
 
 def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
     """What Inductor compiles on CUDA (forced here on CPU tensors, traced but not run): the
-    routing kernel writing bins, then count_bins on them, in one full graph."""
+    routing kernel writing the cutoffs, then count_bins on them, in one full graph."""
     import importlib
 
     from torch._dynamo.backends.common import aot_autograd
@@ -76,6 +91,6 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
     nodes = [(str(n.target), n) for n in graph.graph.nodes if n.op == "call_function"]
     kernel = next(n for name, n in nodes if "triton_kernel_wrapper" in name)
     counts = next(n for name, n in nodes if name == "titan_moe.count_bins.default")
-    assert kernel.kwargs["kwargs"]["WITH_HIST"] and kernel.kwargs["kwargs"]["WRITE_BINS"]
-    assert counts.args[0].args[0] is kernel and counts.args[0].args[1] == "bins_ptr"
+    assert kernel.kwargs["kwargs"]["WITH_HIST"] and kernel.kwargs["kwargs"]["WRITE_ALPHA"]
+    assert counts.args[2].args[0] is kernel and counts.args[2].args[1] == "alpha_ptr"
     torch._dynamo.reset()

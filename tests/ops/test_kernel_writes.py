@@ -99,13 +99,13 @@ def test_router_kernel_writes_only_its_outputs(monkeypatch):
                   lambda m: m.qb_route_triton(torch.randn(64, 16), torch.zeros(16), None, 2, 1.0,
                                               32, True))
     assert got == {"qb_route_kernel": {"ids_ptr", "weights_ptr", "hist_ptr", "load_ptr"}}
-    # Launches are recorded, not run: there are no bins for count_bins to count.
+    # Launches are recorded, not run: there are no cutoffs for count_bins to count.
     monkeypatch.setattr(importlib.import_module("titan_moe.ops.router.qb_route_triton"),
-                        "count_bins", lambda bins, n_bins: None)
+                        "count_bins", lambda logits, bias, alpha, n_bins: None)
     shared = written("titan_moe.ops.router.qb_route_triton",
                      lambda m: m.launch_qb_route(torch.randn(64, 16), torch.zeros(16), None, 2,
                                                  1.0, 32, True, counting="shared"))
-    assert shared == {"qb_route_kernel": {"ids_ptr", "weights_ptr", "bins_ptr", "load_ptr"}}
+    assert shared == {"qb_route_kernel": {"ids_ptr", "weights_ptr", "alpha_ptr", "load_ptr"}}
 
 
 def test_kda_kernels_write_only_their_outputs():

@@ -133,9 +133,9 @@ def run_lane_top4() -> dict:
     return report
 
 def run_shared_counting() -> dict:
-    """The kernel writing each bin as int16 for `count_bins` (counting "shared") gives the
-    reference's four outputs bit for bit: on CPU count_bins is its scatter_add reference, so this
-    checks the bins the kernel writes, -1 for the tokens not counted included."""
+    """The kernel writing each token's cutoff for `count_bins` (counting "shared") gives the
+    reference's four outputs bit for bit: on CPU count_bins is its qb_histogram reference, so
+    this checks the cutoffs the kernel writes, NaN for the tokens not counted included."""
     from titan_moe.ops.router.qb_route_triton import launch_qb_route
 
     report = {}

@@ -26,11 +26,12 @@ Those atomics (14.7M at T 16384, E 896) cost 0.1 ms of the op's 0.251 ms on the 
 1000 bins (>= 112 us for 14.7M at 16 POPC a clock an SM); a one-hot int8 tensor-core product
 takes 368 SASS an element (>= 161 us issue-bound); and summing equal (expert, bin) pairs before
 the atomics leaves 99% of them over 8 tokens, 94% over 64, 42% over 1024, with no cheap way to
-find the pairs. Counting in shared memory (atomics Triton does not expose) was built and
-measured: with `counting="shared"` the kernel writes each (token, expert) bin as int16 instead,
-and `bin_counts.count_bins` (a CUDA kernel built by NVRTC) counts them there. It lost on the H200
-(2026-12-06, graphed, T 16384, E 896, k 16): 0.268 ms against the atomics' 0.235 (count_bins
-alone 0.076 ms, the bins' writes ~0.04), so the atomics are the default.
+find the pairs. Counting in shared memory (atomics Triton does not expose) is
+`counting="shared"`: the kernel writes each token's cutoff alpha (NaN where not counted) and
+`bin_counts.count_bins`, a CUDA kernel built by NVRTC, bins and counts there. With the kernel
+writing the [T, E] int16 bins instead it lost on the H200 (2026-12-06, graphed, T 16384, E 896,
+k 16): 0.268 ms against the atomics' 0.235 (count_bins alone 0.076 ms, the bins' writes about
+0.04-0.05), so the atomics are the default until the cutoffs' version is measured.
 
 σ is ops/libdevice_math.py's: on CUDA the expression and functions torch.sigmoid's CUDA kernel
 uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
@@ -117,11 +118,11 @@ def _picks_of_four(k0, c0, k1, c1, k2, c2, k3, c3, slots, K: tl.constexpr,
 
 @triton.jit
 def qb_route_kernel(
-    logits_ptr, bias_ptr, valid_ptr, ids_ptr, weights_ptr, hist_ptr, bins_ptr,
+    logits_ptr, bias_ptr, valid_ptr, ids_ptr, weights_ptr, hist_ptr, alpha_ptr,
     load_ptr, n_tokens, stride_t, route_scale,
     E: tl.constexpr, K: tl.constexpr, N_BINS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, WRITE_BINS: tl.constexpr,
+    HAS_VALID: tl.constexpr, WITH_HIST: tl.constexpr, WRITE_ALPHA: tl.constexpr,
     LIBDEVICE: tl.constexpr, LANE_TOP4: tl.constexpr,
 ):  # fmt: skip
     # Inductor passes Python floats as fp64 scalars (Triton's launcher: fp32); uncast, the weights
@@ -179,17 +180,16 @@ def qb_route_kernel(
             counted = counted & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
         # Rows past T hold only knocked-out keys, which decode to NaN: give them a number.
         alpha = tl.where(row_ok, _key_value(next_key), 0.0)
-        lo = tl.min(tl.where(col_ok, b, float("inf")), axis=0) - 1.0
-        hi = tl.max(tl.where(col_ok, b, float("-inf")), axis=0) + 1.0
-        span = hi - lo
-        scale = tl.math.div_rn(tl.full(span.shape, N_BINS, tl.float32), span)
-        r = alpha[:, None] - s
-        bins = tl.minimum(tl.maximum(tl.floor((r - lo) * scale), 0.0), N_BINS - 1).to(tl.int32)
-        if WRITE_BINS:  # counted by bin_counts.count_bins; -1 marks a token not counted
-            bins_offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
-            tl.store(bins_ptr + bins_offs, tl.where(counted[:, None], bins, -1).to(tl.int16),
-                     mask=in_tile)
+        if WRITE_ALPHA:  # counted by bin_counts.count_bins; NaN marks a token not counted
+            tl.store(alpha_ptr + rows, tl.where(counted, alpha, float("nan")), mask=row_ok)
         else:
+            lo = tl.min(tl.where(col_ok, b, float("inf")), axis=0) - 1.0
+            hi = tl.max(tl.where(col_ok, b, float("-inf")), axis=0) + 1.0
+            span = hi - lo
+            scale = tl.math.div_rn(tl.full(span.shape, N_BINS, tl.float32), span)
+            r = alpha[:, None] - s
+            bins = tl.minimum(tl.maximum(tl.floor((r - lo) * scale), 0.0),
+                              N_BINS - 1).to(tl.int32)
             hist_offs = cols[None, :] * N_BINS + bins
             tl.atomic_add(hist_ptr + hist_offs, 1, mask=counted[:, None] & col_ok[None, :],
                           sem="relaxed")
@@ -246,8 +246,8 @@ def launch_qb_route(
     shapes and caps; every one gives the same bits).
 
     counting: how the histogram is counted. "atomic": relaxed global atomics in the kernel;
-    "shared": the kernel writes each (token, expert) bin as int16 and `count_bins` counts them
-    (in shared memory on CUDA where NVRTC builds its kernel); None: DEFAULT_COUNTING.
+    "shared": the kernel writes each token's cutoff and `count_bins` bins and counts them (in
+    shared memory on CUDA where NVRTC builds its kernel); None: DEFAULT_COUNTING.
 
     lane_top4: pick among each lane's 4 largest keys first (the picks redone over every key
     where that is not exact); None: `use_lane_top4`. Both give the same bits.
@@ -264,10 +264,10 @@ def launch_qb_route(
     ids = torch.empty(n_tokens, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n_tokens, top_k, dtype=torch.float32, device=logits.device)
     n_hist = n_experts if with_histogram else 0
-    write_bins = with_histogram and counting == "shared"
-    hist = bins = None
-    if write_bins:
-        bins = torch.empty(n_tokens, n_experts, dtype=torch.int16, device=logits.device)
+    write_alpha = with_histogram and counting == "shared"
+    hist = alpha = None
+    if write_alpha:
+        alpha = torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
     else:
         hist = torch.zeros(n_hist, n_bins, dtype=torch.int32, device=logits.device)
     load = torch.zeros(n_hist, dtype=torch.int32, device=logits.device)
@@ -278,17 +278,18 @@ def launch_qb_route(
         lane_top4 = use_lane_top4(block_e)
     if lane_top4 and block_e < 128:
         raise ValueError(f"lane_top4 needs E > 64 (128 columns a row block), got E={n_experts}")
+    bias = bias.float().contiguous()
     wrap_triton(qb_route_kernel)[(triton.cdiv(n_tokens, block_t),)](
-        logits, bias.float().contiguous(), valid, ids, weights, hist, bins, load,
+        logits, bias, valid, ids, weights, hist, alpha, load,
         n_tokens, logits.stride(0), route_scale,
         E=n_experts, K=top_k, N_BINS=n_bins, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), HAS_VALID=valid is not None,
-        WITH_HIST=with_histogram, WRITE_BINS=write_bins, LIBDEVICE=logits.is_cuda,
+        WITH_HIST=with_histogram, WRITE_ALPHA=write_alpha, LIBDEVICE=logits.is_cuda,
         LANE_TOP4=lane_top4, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
-    if write_bins:
-        hist = count_bins(bins, n_bins)
+    if write_alpha:
+        hist = count_bins(logits, bias, alpha, n_bins)
     return ids, weights, hist, load
 
 
