@@ -43,9 +43,14 @@ def moe_combine_naive(expert_out: Tensor, dest: Tensor, weights: Tensor) -> Tens
     return (pair_out.to(dtype) * weights.unsqueeze(-1).to(dtype)).sum(1)
 
 
+def round_up(n, multiple: int):
+    """n (an int or an integer tensor) rounded up to a multiple of `multiple`."""
+    return (n + multiple - 1) // multiple * multiple
+
+
 def layout_rows(n_pairs: int, n_experts: int, align: int) -> int:
     """The grouped buffer's static size: every group may need up to align - 1 padding rows."""
-    return -(-(n_pairs + n_experts * (align - 1)) // align) * align
+    return round_up(n_pairs + n_experts * (align - 1), align)
 
 
 def sort_pairs(pair_expert: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
@@ -69,7 +74,7 @@ def dispatch_layout_naive(
     experts = torch.arange(n_experts, device=pair_expert.device)
     ends = torch.searchsorted(sorted_expert, experts + 1)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_counts = (counts + align - 1) // align * align
+    padded_counts = round_up(counts, align)
     padded_ends = torch.cumsum(padded_counts, 0)
     # Every pair of group e moves from its sorted position by the group's change of start.
     shift = (padded_ends - padded_counts) - (ends - counts)
