@@ -100,7 +100,7 @@ def update(
         adv = advantages[start : start + rl.micro_batch].to(device)
         loss, kl_sum = grpo_loss(logp, ref_logp, adv, actions, rl.kl_coef, n_tokens)
         loss.backward()
-        totals["loss"] += float(loss)
+        totals["loss"] += float(loss.detach())
         totals["kl"] += float(kl_sum) / n_tokens
         totals["entropy"] += float((entropy.detach() * actions).sum()) / n_tokens
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), rl.max_norm))
