@@ -285,6 +285,10 @@ def test_token_chunks_match_unchunked_outputs_gradients_and_qb_stats(outer_ac: b
 def test_token_chunks_compile_fullgraph_and_match_eager_in_full_ac():
     """The chunk checkpoints trace as HOPs inside one graph; around it an eager full-AC
     checkpoint re-runs the compiled forward in backward, as the trainer does."""
+    # A fresh compile: LatentMoE.forward compiled earlier at other shapes (another test) would
+    # recompile here with dynamic shapes, which Dynamo cannot lift into the chunk checkpoints'
+    # subgraphs (torch 2.13, "lift_tracked_freevar_to_input ... root SubgraphTracer").
+    torch._dynamo.reset()
     eager, compiled = _chunked_pair(chunk=8, seed=9)
     x = torch.randn(2, 7, 12, requires_grad=True)  # chunks of 8 and 6
     grad_out = torch.randn(2, 7, 12)
