@@ -4,16 +4,17 @@
     python bench/qb_route.py --static     # any host: each launch shape compiled for sm_90
 
 At --shape (T, E, k, d) and fp32 logits it times (CUDA events, median of --iters after --warmup):
-  op            titan_moe::qb_route at its own launch shape (σ, top-(k+1), weights, the load
-                and the QB histogram counted with relaxed global atomics, in one kernel; with
-                the share of rows it picks twice, see `op all keys`), called
+  op            titan_moe::qb_route at its own launch shape and default counting (σ,
+                top-(k+1), weights, the load and the QB histogram; with the share of rows it
+                picks twice, see `op all keys`), called
                 eagerly (the host's launch cost included, as an eager step pays it) and graphed
                 (its call captured in a CUDA graph and replayed: device time alone, as the
                 CUDA-graphed step pays it);
+  op atomic     the histogram counted with relaxed global atomics in the routing kernel;
   op shared     the kernel writing each token's cutoff instead, binned and counted by
                 count_bins in shared memory (with [T, E] int16 bins written and read instead:
-                0.268 ms graphed against the atomics' 0.235 on the H200, 2026-12-06), after
-                checking its outputs equal the reference's;
+                0.268 ms graphed against the atomics' 0.235 on the H200, 2026-12-06), each
+                after checking its outputs equal the reference's;
   count_bins    the shared-memory counting kernel alone, on the logits and their cutoffs;
   op no hist    the op without the histogram and the load (what inference runs): the
                 difference to `op` is what counting the histogram costs (eager and graphed);
@@ -127,16 +128,18 @@ def timed_rows(tokens, experts, k, d, shapes, caps, warmup, iters) -> list[dict]
     def op():
         return qb_route(logits, bias, k)
     rows = [{"impl": "op", "launch": list(qb_module.launch_shape(experts)[::2]), "equal": True,
+             "counting": qb_module.default_counting(logits, N_BINS),
              "repicked_rows": repicked_share(logits, bias, k),
              "ms": event_timed(op, "cuda", warmup, iters),
              "graphed_ms": graphed_ms(op, warmup, iters)}]
-    def shared():
-        return qb_module.launch_qb_route(logits, bias, None, k, 1.0, N_BINS, True,
-                                         counting="shared")
-    rows.append({"impl": "op shared", "equal": all(
-        torch.equal(g, w) for g, w in zip(shared(), want, strict=True)),
-        "ms": event_timed(shared, "cuda", warmup, iters),
-        "graphed_ms": graphed_ms(shared, warmup, iters)})
+    for counting in qb_module.COUNTING:
+        def counted(counting=counting):
+            return qb_module.launch_qb_route(logits, bias, None, k, 1.0, N_BINS, True,
+                                             counting=counting)
+        rows.append({"impl": f"op {counting}", "equal": all(
+            torch.equal(g, w) for g, w in zip(counted(), want, strict=True)),
+            "ms": event_timed(counted, "cuda", warmup, iters),
+            "graphed_ms": graphed_ms(counted, warmup, iters)})
     alpha = torch.topk(torch.sigmoid(logits) + bias, k + 1).values[:, k]
 
     def counts():
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         floor_ms = op_bytes(tokens, experts, k) / copy_bandwidth("cuda") / 1e6
         rows = timed_rows(tokens, experts, k, d, others, opts.maxnreg, opts.warmup, opts.iters)
-        print(f"T {tokens}, E {experts}, k {k}, d {d}, fp32 logits; op floor {floor_ms:.3f} ms")
+        print(f"T {tokens}, E {experts}, k {k}, d {d}, fp32 logits; op floor {floor_ms:.3f} ms; "
+              f"op counting {rows[0]['counting']}")
         print(f"{'impl':<10} {'ms':>8} {'graphed':>8} {'x floor':>8} {'equal':>6}")
         for row in rows:
             row["floor_ms"] = floor_ms

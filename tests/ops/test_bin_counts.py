@@ -70,7 +70,7 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
     from torch._dynamo.backends.common import aot_autograd
 
     module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
-    monkeypatch.setattr(module, "DEFAULT_COUNTING", "shared")
+    monkeypatch.setattr(module, "default_counting", lambda logits, n_bins: "shared")
     graphs = []
 
     def fw_compiler(gm, example_inputs):
@@ -94,3 +94,54 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
     assert kernel.kwargs["kwargs"]["WITH_HIST"] and kernel.kwargs["kwargs"]["WRITE_ALPHA"]
     assert counts.args[2].args[0] is kernel and counts.args[2].args[1] == "alpha_ptr"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("n_tokens", "n_experts", "available", "want"), [
+    (16384, 896, True, "shared"),  # 14.7M pairs: issue 20's shape
+    (8192, 1024, True, "shared"),  # exactly 2^23
+    (8191, 1024, True, "atomic"),  # one token short
+    (16384, 128, True, "atomic"),  # bench/moe.py's d 512 layer: 2.1M pairs, host-bound
+    (16384, 896, False, "atomic"),  # no shared-memory kernel (CPU, or NVRTC missing)
+])
+def test_default_counting_is_shared_from_the_threshold_where_the_kernel_exists(
+        monkeypatch, n_tokens, n_experts, available, want):
+    """The rule against its statement: shared from 2^23 (token, expert) pairs where count_bins
+    has its kernel, atomics otherwise; and the op takes it when no counting is named."""
+    import importlib
+
+    module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
+    asked = []
+
+    def availability(device, n_bins, dtype):
+        asked.append((device.type, n_bins, dtype))
+        return available
+
+    monkeypatch.setattr(module, "shared_counting_available", availability)
+    logits = torch.empty(n_tokens, n_experts, device="meta")
+    assert module.SHARED_COUNTING_MIN_COUNTS == 2**23
+    assert module.default_counting(logits, 1000) == want
+    assert all(a == ("meta", 1000, torch.float32) for a in asked)
+
+
+def test_op_counts_by_the_default_rule_and_not_without_a_histogram(monkeypatch):
+    """launch_qb_route with counting None: the rule's choice decides whether the kernel writes
+    cutoffs for count_bins (the launch recorded, not run: CPU tensors); without a histogram
+    nothing is counted, whatever the rule says."""
+    import importlib
+
+    module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
+    launches, counted = [], []
+
+    class AnyGrid(dict):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs["WRITE_ALPHA"])
+
+    monkeypatch.setattr(module, "wrap_triton", lambda kernel: AnyGrid())
+    monkeypatch.setattr(module, "count_bins", lambda *args: counted.append(args[3]))
+    logits, bias = torch.randn(37, 12), torch.zeros(12)
+    for choice in ("atomic", "shared"):
+        monkeypatch.setattr(module, "default_counting", lambda logits, n_bins, c=choice: c)
+        module.launch_qb_route(logits, bias, None, 3, 1.0, 50, True)
+        module.launch_qb_route(logits, bias, None, 3, 1.0, 50, False)
+    assert launches == [False, False, True, False]
+    assert counted == [50]

@@ -28,10 +28,16 @@ takes 368 SASS an element (>= 161 us issue-bound); and summing equal (expert, bi
 the atomics leaves 99% of them over 8 tokens, 94% over 64, 42% over 1024, with no cheap way to
 find the pairs. Counting in shared memory (atomics Triton does not expose) is
 `counting="shared"`: the kernel writes each token's cutoff alpha (NaN where not counted) and
-`bin_counts.count_bins`, a CUDA kernel built by NVRTC, bins and counts there. With the kernel
-writing the [T, E] int16 bins instead it lost on the H200 (2026-12-06, graphed, T 16384, E 896,
-k 16): 0.268 ms against the atomics' 0.235 (count_bins alone 0.076 ms, the bins' writes about
-0.04-0.05), so the atomics are the default until the cutoffs' version is measured.
+`bin_counts.count_bins`, a CUDA kernel built by NVRTC, bins and counts there from the logits.
+On the H100 (2026-12-06, graphed, T 16384, E 896, k 16) that op takes 0.153 ms against the
+atomics' 0.231 (count_bins alone 0.090). It costs a second launch, through a custom op and
+torch's ctypes launcher: un-graphed, where the host issues each call, 0.488 ms against 0.333.
+The shared count saves device time and spends host time, so it pays where the step is
+device-bound and the host's extra time overlaps the GPU's work. The default
+(`default_counting`) takes it from SHARED_COUNTING_MIN_COUNTS (token, expert) pairs, a layer
+routing as many tokens to as many experts as a large model's step does; below that it keeps the
+atomics, which cost little device time there (about 11 ns a thousand pairs), in steps small
+enough to be host-bound (bench/moe.py's d 512 layer routes 2.1M pairs).
 
 σ is ops/libdevice_math.py's: on CUDA the expression and functions torch.sigmoid's CUDA kernel
 uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
@@ -49,12 +55,14 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from titan_moe.ops.libdevice_math import sigmoid
-from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins
+from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins, shared_counting_available
 
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
 MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
 COUNTING = ("atomic", "shared")  # how the histogram is counted, see launch_qb_route
-DEFAULT_COUNTING = "atomic"  # the faster on the H200 (module docstring)
+# T x E from which the default counts in shared memory (module docstring): the device time it
+# saves, 0.078 ms at 14.7M pairs (H100), is about 0.045 ms here.
+SHARED_COUNTING_MIN_COUNTS = 1 << 23
 KNOCKED_OUT: tl.constexpr = tl.constexpr(-(2**31))  # below every key of a real score
 
 
@@ -228,6 +236,16 @@ def validate_route_inputs(logits: Tensor, bias: Tensor, top_k: int, valid: Tenso
         raise ValueError(f"valid must be [T]=[{n_tokens}], got {tuple(valid.shape)}")
 
 
+def default_counting(logits: Tensor, n_bins: int) -> str:
+    """"shared" from SHARED_COUNTING_MIN_COUNTS (token, expert) pairs where `count_bins` has its
+    shared-memory kernel (CUDA, NVRTC), else "atomic"."""
+    n_tokens, n_experts = logits.shape
+    if n_tokens * n_experts >= SHARED_COUNTING_MIN_COUNTS and shared_counting_available(
+            logits.device, n_bins, logits.dtype):
+        return "shared"
+    return "atomic"
+
+
 def launch_qb_route(
     logits: Tensor,
     bias: Tensor,
@@ -247,14 +265,14 @@ def launch_qb_route(
 
     counting: how the histogram is counted. "atomic": relaxed global atomics in the kernel;
     "shared": the kernel writes each token's cutoff and `count_bins` bins and counts them (in
-    shared memory on CUDA where NVRTC builds its kernel); None: DEFAULT_COUNTING.
+    shared memory on CUDA where NVRTC builds its kernel); None: `default_counting`.
 
     lane_top4: pick among each lane's 4 largest keys first (the picks redone over every key
     where that is not exact); None: `use_lane_top4`. Both give the same bits.
     """
     validate_route_inputs(logits, bias, top_k, valid)
     if counting is None:
-        counting = DEFAULT_COUNTING
+        counting = default_counting(logits, n_bins)
     if counting not in COUNTING:
         raise ValueError(f"counting must be one of {COUNTING}, got {counting!r}")
     if counting == "shared" and not 0 < n_bins <= MAX_BINS:
