@@ -106,7 +106,7 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
 def test_default_counting_is_shared_from_the_threshold_where_the_kernel_exists(
         monkeypatch, n_tokens, n_experts, available, want):
     """The rule against its statement: shared from 2^23 (token, expert) pairs where count_bins
-    has its kernel, atomics otherwise; and the op takes it when no counting is named."""
+    has its kernel (availability asked for the logits' device and dtype), atomics otherwise."""
     import importlib
 
     module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
