@@ -98,14 +98,14 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
 
 @pytest.mark.parametrize(("n_tokens", "n_experts", "available", "want"), [
     (16384, 896, True, "shared"),  # 14.7M pairs: issue 20's shape
-    (8192, 1024, True, "shared"),  # exactly 2^23
-    (8191, 1024, True, "atomic"),  # one token short
+    (4096, 1024, True, "shared"),  # exactly 2^22
+    (4095, 1024, True, "atomic"),  # one token short
     (16384, 128, True, "atomic"),  # bench/moe.py's d 512 layer: 2.1M pairs, host-bound
     (16384, 896, False, "atomic"),  # no shared-memory kernel (CPU, or NVRTC missing)
 ])
 def test_default_counting_is_shared_from_the_threshold_where_the_kernel_exists(
         monkeypatch, n_tokens, n_experts, available, want):
-    """The rule against its statement: shared from 2^23 (token, expert) pairs where count_bins
+    """The rule against its statement: shared from 2^22 (token, expert) pairs where count_bins
     has its kernel (availability asked for the logits' device and dtype), atomics otherwise."""
     import importlib
 
@@ -118,7 +118,7 @@ def test_default_counting_is_shared_from_the_threshold_where_the_kernel_exists(
 
     monkeypatch.setattr(module, "shared_counting_available", availability)
     logits = torch.empty(n_tokens, n_experts, device="meta")
-    assert module.SHARED_COUNTING_MIN_COUNTS == 2**23
+    assert module.SHARED_COUNTING_MIN_COUNTS == 2**22
     assert module.default_counting(logits, 1000) == want
     assert all(a == ("meta", 1000, torch.float32) for a in asked)
 
