@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tests.ops.fp32_histogram import fp32_histogram
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import QuantileBalancer, qb_bias_exact, qb_bias_from_histogram
 from titan_moe.model.router import Router
@@ -101,21 +103,13 @@ def test_bins_equal_an_fp32_loop_with_one_division():
     for n_bins / (hi - lo), r - lo, the product, floor), exact. This bias makes 1000 / (hi - lo)
     one ulp off when computed as a reciprocal times 1000 (Tensor.__rtruediv__): 132 of its
     8,000 counts moved then at 200,000 tokens, 20 at the 20,000 here."""
-    import numpy as np
-
     bias = torch.tensor([-0.13360487, 0.08870961, 0.07679575, 0.0057113, 0.02239584, 0.05519643,
                          -0.0578798, 0.00177221])
     lo, hi = qb_range(bias)
     assert torch.full_like(hi, 1000) / (hi - lo) != 1000 / (hi - lo)  # the case this guards
     scores = torch.sigmoid(2 * torch.randn(20000, 8, generator=torch.Generator().manual_seed(1)))
     cutoff = torch.topk(scores + bias, 3).values[:, 2]
-    f32 = np.float32
-    lo32, hi32 = f32(bias.numpy().min()) - f32(1), f32(bias.numpy().max()) + f32(1)
-    scale = f32(1000) / (hi32 - lo32)
-    r = cutoff.numpy()[:, None] - scores.numpy()
-    bins = np.clip(np.floor((r - lo32) * scale), 0, 999).astype(np.int64)
-    want = np.zeros((8, 1000), dtype=np.int32)
-    np.add.at(want, (np.broadcast_to(np.arange(8), bins.shape), bins), 1)
+    want = fp32_histogram(scores.numpy(), cutoff.numpy(), bias.numpy(), 1000)
     assert np.array_equal(qb_histogram(scores, cutoff, bias, 1000).numpy(), want)
 
 

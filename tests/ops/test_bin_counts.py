@@ -7,24 +7,16 @@ import numpy as np
 import pytest
 import torch
 
+from tests.ops.fp32_histogram import fp32_histogram
 from titan_moe.ops.router.bin_counts import count_bins, count_bins_reference, experts_per_block
 
 
 def _numpy_counts(logits: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
                   n_bins: int) -> np.ndarray:
     """The bins in fp32, one IEEE operation at a time, on the same scores (σ is torch's)."""
-    f32 = np.float32
-    s = torch.sigmoid(logits.float()).numpy()
-    b = bias.numpy()
-    lo, hi = f32(b.min()) - f32(1), f32(b.max()) + f32(1)
-    scale = f32(n_bins) / (hi - lo)
     a = alpha.numpy()
-    counted = ~np.isnan(a)
-    bins = np.clip(np.floor(((a[counted, None] - s[counted]) - lo) * scale), 0, n_bins - 1)
-    hist = np.zeros((logits.shape[1], n_bins), dtype=np.int32)
-    np.add.at(hist, (np.broadcast_to(np.arange(logits.shape[1]), bins.shape),
-                     bins.astype(np.int64)), 1)
-    return hist
+    return fp32_histogram(torch.sigmoid(logits.float()).numpy(), a, bias.numpy(), n_bins,
+                          counted=~np.isnan(a))
 
 
 @pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins"), [(500, 7, 13), (1, 3, 1), (0, 4, 5)])
