@@ -23,15 +23,20 @@ torch.cuda.max_memory_allocated (also per 1K tokens); a length that runs out of 
 with status "oom" (its peak is the allocator's at the failure) and the next length still runs.
 Every row carries the memory plan's peak for the same step (`titan_moe.plan.memory.bench_estimate`)
 and, measured on CUDA, planned / measured (the plan's target: within 0.85 .. 1.15). With
---phase-peaks one more step per length records the allocated memory by phase (the forward,
+--phase-peaks one step per length records the allocated memory by phase (the forward,
 the loss's backward, each layer's backward with its recompute), to lay the peak at one phase
-and set each layer's rise against the plan's recompute of it.
+and set each layer's rise against the plan's recompute of it: the first warmup step (its
+compile included), or without warmup one more step after the timed ones. An "oom" row carries
+the allocator's message and, with --phase-peaks, the phases up to the one that ran out.
+The CUDA allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF, unless set), as
+torchtitan's launcher sets it: a long step's GiB-sized blocks then do not fail on fragmentation.
 """
 
 import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 
 import torch
@@ -178,13 +183,25 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
     if device == "cuda":
         torch.cuda.empty_cache()
     memory = Memory(device == "cuda")
+    phases = None  # the step that records its phases, while it runs
     failed = False
+
+    def run_step(record: bool) -> float:
+        nonlocal phases
+        phases = PhasePeaks(model, memory) if record else None
+        value = step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload, phases)
+        if phases is not None:
+            row["phases"], phases = phases.finish(), None
+        return value
+
     try:
         tokens = torch.randint(0, vocab, (1, length + 1), device=device)
         doc_ids = (torch.arange(length, device=device) // doc_len).to(torch.int32)[None]
         for i in range(warmup):  # each warmup step's time printed: a 1M step takes minutes
             start = time.perf_counter()
-            step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload)
+            # --phase-peaks: the first step records its phases, so that a length that runs out
+            # of memory says in which phase (the hooks' host time stays out of the timed steps)
+            run_step(phase_peaks and i == 0)
             print(f"{length:>9} warmup step {i + 1}: {time.perf_counter() - start:.1f} s, peak "
                   f"{memory.step_peak():.2f} GiB", flush=True)
         times = []
@@ -192,18 +209,18 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            row["loss_per_token"] = step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids,
-                                         offload)
+            row["loss_per_token"] = run_step(False)
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        if phase_peaks:  # one more step, untimed: the hooks and their marks cost host time
-            phases = PhasePeaks(model, memory)
-            step(model, loss_fn, tokens[:, :-1], tokens[:, 1:], doc_ids, offload, phases)
-            row["phases"] = phases.finish()
+        if phase_peaks and not warmup:  # one more step, untimed
+            run_step(True)
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if not _is_oom(error):
             raise
+        row["error"] = str(error).strip().splitlines()[0]  # "Tried to allocate ..." and the free
+        if phases is not None:  # the last phase is the one that ran out
+            row["phases"], phases = phases.finish(), None
         failed = True  # handled below, once the traceback no longer pins the step's tensors
     if failed:
         row["status"] = "oom"
@@ -237,6 +254,8 @@ def print_phases(phases: list[dict], args: TitanMoEArgs, length: int) -> None:
 
 
 def main() -> None:
+    # Read at CUDA's first allocation, so set before the model is built.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run: debug flavor, 2 layers")
@@ -261,8 +280,9 @@ def main() -> None:
                         help="torch.compile per sublayer with the trainer's passes (the plan "
                              "assumes it: fused SiTU-GLU and RMSNorm save only their inputs)")
     parser.add_argument("--phase-peaks", action="store_true",
-                        help="one more step per length, its peak memory by phase (forward, "
-                             "each layer's backward) beside the plan's recompute of that layer")
+                        help="the first warmup step (or one more step) per length records its "
+                             "peak memory by phase (forward, each layer's backward) beside the "
+                             "plan's recompute of that layer")
     parser.add_argument("--warmup", type=non_negative, default=1)
     parser.add_argument("--iters", type=positive, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -305,12 +325,15 @@ def main() -> None:
               f"{r.get('gib_per_1k_tokens', float('nan')):>10.4f} "
               f"{r['planned_peak_gib']:>8.2f} {r.get('planned_over_measured', float('nan')):>8.3f}",
               flush=True)
+        if "error" in r:
+            print(f"  {r['error']}")
         if "phases" in r:
             print_phases(r["phases"], model_cfg, length)
         if args.out:  # after every length, so a crash keeps the rows measured so far
             with open(args.out, "w") as f:
                 json.dump({"environment": environment(), "flavor": args.flavor,
                            "device": device, "ac": args.ac,
+                           "cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"],
                            "offload": args.offload, "loss_chunk": args.loss_chunk,
                            "moe_chunk": args.moe_chunk, "seq_segment": args.seq_segment,
                            "rows": rows}, f, indent=2)

@@ -25,16 +25,20 @@ def test_an_oom_length_is_reported_and_the_next_length_runs(tmp_path, monkeypatc
     bench = load_bench("long_context")
     seen = []
 
-    def fake_step(model, loss_fn, tokens, labels, doc_ids, offload=False):
+    def fake_step(model, loss_fn, tokens, labels, doc_ids, offload=False, phases=None):
         seen.append(tokens.shape[1])
         if tokens.shape[1] == 128:
-            raise torch.OutOfMemoryError("out of memory (simulated)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory (simulated). Tried to allocate 2 GiB.\nits next line")
         return 1.0
 
     monkeypatch.setattr(bench, "step", fake_step)
     out = tmp_path / "lc.json"
     rows = _run(bench, monkeypatch, out, "--lengths", "64,128,192")["rows"]
     assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "ok"), (128, "oom"), (192, "ok")]
+    # The OOM row keeps the allocator's first line (what it tried to allocate); no other row does.
+    assert [r.get("error") for r in rows] == [
+        None, "CUDA out of memory (simulated). Tried to allocate 2 GiB.", None]
     assert seen == [64, 128, 192]
     table = capsys.readouterr().out
     assert "128    oom" in table and "192     ok" in table
@@ -169,3 +173,28 @@ def test_the_row_peak_is_the_steps_over_every_phase(tmp_path, monkeypatch):
     assert [p["peak_gib"] for p in row["phases"]] == peaks[2:6]
     assert row["max_memory_allocated_gib"] == 7.0
     assert row["planned_over_measured"] == row["planned_peak_gib"] / 7.0
+
+
+def test_an_oom_in_the_phase_step_keeps_the_phases_up_to_the_one_that_ran_out(tmp_path,
+                                                                               monkeypatch):
+    # A length that runs out of memory says where: its row keeps the phases recorded so far, the
+    # last the one that failed, and the allocator's message. Real CPU steps; the OOM is raised
+    # once, as layer 0's backward begins in the phase step of the first length; the next length
+    # then records every phase (the failed step's hooks are gone: each phase is marked once).
+    bench = load_bench("long_context")
+    mark, raised = bench.PhasePeaks.mark, []
+
+    def mark_then_fail(self, phase):
+        mark(self, phase)
+        if phase == "backward, layer 0" and not raised:
+            raised.append(phase)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench.PhasePeaks, "mark", mark_then_fail)
+    out = tmp_path / "lc.json"
+    rows = _run(bench, monkeypatch, out, "--lengths", "64,128", "--phase-peaks")["rows"]
+    assert [r["status"] for r in rows] == ["oom", "ok"]
+    assert rows[0]["error"] == "CUDA out of memory (simulated)" and "error" not in rows[1]
+    order = ["forward and loss", "backward, loss", "backward, layer 1", "backward, layer 0"]
+    assert [p["phase"] for p in rows[0]["phases"]] == order
+    assert [p["phase"] for p in rows[1]["phases"]] == order
