@@ -1,12 +1,14 @@
 """What an op allocates while it runs, counted with its launches skipped: the live-bytes count
 against a hand-made sequence of allocations, and the KDA op's kept buffers and backward
-workspace against its buffers counted by hand."""
+workspace and an AttnRes site's backward workspace against their buffers counted by hand."""
 
 import pytest
 import torch
 
 from titan_moe.plan.op_workspace import (
     LiveBytes,
+    attn_res_backward_workspace,
+    attn_res_triton,
     chunk_triton,
     kda_backward_workspace,
     kda_kept_buffers,
@@ -106,3 +108,15 @@ def test_kda_op_backward_by_segments_holds_one_segments_buffers(segments_of_128)
     held = t * k * 2 + 4 * t * k * 2 + t * 4 + 3 * state + 2 * state + (1 + k) * 4
     assert kda_backward_workspace(1, t, 1, k, k) == held + tile_products_bwd_buffers(segment, k)
     assert kda_kept_buffers(1, t, 1, k, k) == ()  # the forward keeps nothing by segments
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 9, (torch.float32, torch.bfloat16)])
+def test_attn_res_backward_workspace_by_hand(dtypes):
+    # n source gradients in their sources' dtypes, returned together, and the fp32 gradient of
+    # the site's output; besides them only [d]-sized fp32 buffers (u, du, and the du partials,
+    # one row per backward program): the tolerance.
+    rows, dim = 1000, 48
+    want = sum(rows * dim * dtype.itemsize for dtype in dtypes) + rows * dim * 4
+    small = 4 * dim * (attn_res_triton.CPU_PROGRAMS + 4)
+    got = attn_res_backward_workspace(rows, dim, dtypes)
+    assert want <= got <= want + small

@@ -23,7 +23,7 @@ from titan_moe.plan.memory import (
     parameter_counts,
     saved_bytes,
 )
-from titan_moe.plan.op_workspace import kda_backward_workspace
+from titan_moe.plan.op_workspace import attn_res_backward_workspace, kda_backward_workspace
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_excluded():
@@ -75,14 +75,22 @@ def test_full_ac_activations_compose_as_documented(tiny):
                                        + transient, 0)
 
 
-def test_a_kda_layers_recompute_holds_the_ops_workspace(tiny):
+def test_a_layers_recompute_holds_its_largest_op_workspace(tiny):
+    # The KDA op's and each AttnRes site's backward workspace; the largest is the layer's.
+    # Layer 0 (KDA) has no mixer site and its FFN site reads the embedding and its mixer's
+    # output (2 sources: it starts a block); layer index 2 (MLA, no workspace of its own at this
+    # size) starts a block too: its mixer site reads the embedding and block 1 (2), its FFN site
+    # those and its mixer's output (3).
     args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
-    kda_layer = layer_activation_bytes(args, 0, b, t)  # layer 0: KDA mixer
-    mla_layer = layer_activation_bytes(args, 2, b, t)  # layer 3 (index 2): MLA
-    want = kda_backward_workspace(b, t, args.n_heads, args.head_dim, args.head_dim)
-    assert kda_layer.workspace == want
-    assert mla_layer.workspace == 0
-    assert kda_layer.recompute == kda_layer.total + max(2 * kda_layer.largest, want)
+    kda_layer = layer_activation_bytes(args, 0, b, t)
+    mla_layer = layer_activation_bytes(args, 2, b, t)
+    kda = kda_backward_workspace(b, t, args.n_heads, args.head_dim, args.head_dim)
+    site = {n: attn_res_backward_workspace(b * t, args.dim, (torch.bfloat16,) * n)
+            for n in (2, 3)}
+    assert site[2] < site[3]
+    assert kda_layer.workspace == max(kda, site[2])
+    assert mla_layer.workspace == site[3]
+    assert kda_layer.recompute == kda_layer.total + max(2 * kda_layer.largest, kda, site[2])
 
 
 def test_a_kda_layer_saves_what_its_op_keeps_for_the_backward(tiny, monkeypatch):

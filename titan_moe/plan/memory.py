@@ -33,8 +33,9 @@ S the AttnRes block size, n layers, B = ceil(n / S) blocks:
       layer bwd  a layer's transient is the larger of 2 × its largest saved tensor (an op's
                  output and input gradients) and an op's backward workspace (op_workspace.py):
                  the KDA op's (dO, the gradients, and its fp32 buffers, 5.1 kB a token and
-                 head at K = V = 128 over one 64K segment) or MLA's attention by key segments'
-                 (below). Without AC, the largest transient;
+                 head at K = V = 128 over one 64K segment), MLA's attention by key segments'
+                 (below) or an AttnRes site's (its n sources' gradients, returned together, and
+                 its output's fp32 gradient: (n + 2) s). Without AC, the largest transient;
                  with AC, the largest over layers of its recompute's saves + its transient,
                  + (B + 1) s (gradients of the residual sources) + the offloaded inputs brought
                  back (s + 4 b t); a sublayer run by checkpointed pieces saves their inputs
@@ -60,9 +61,9 @@ torch._grouped_mm (its operands), and SiTU-GLU and RMSNorm as Inductor fuses the
 Approximate: the other eager elementwise saves inside the mixers, and with router_gemm "fp32"
 the router's fp32 input copy (Inductor may recompute them: the plan is high there; the default
 split_bf16 GEMM saves the bf16 input itself), the backward's transient as twice
-the largest saved tensor or the KDA op's or MLA's key-segment attention's workspace (counted
-on meta, op_workspace.py, Flash's fp32 dq accumulator added by hand; other ops' workspaces are
-not), MLA's gathered prefix under CP (not counted), allocator fragmentation
+the largest saved tensor or the KDA op's, MLA's key-segment attention's or an AttnRes site's
+workspace (counted on meta, op_workspace.py, Flash's fp32 dq accumulator added by hand; other
+ops' workspaces are not), MLA's gathered prefix under CP (not counted), allocator fragmentation
 (in the 10% headroom).
 """
 
@@ -95,6 +96,7 @@ from titan_moe.parallel.fp32_modules import FP32_MODULES
 from titan_moe.parallel.parallelize import OP_SAC_SAVE_LIST, apply_fsdp
 from titan_moe.parallel.pipeline import boundary_tensors
 from titan_moe.plan.op_workspace import (
+    attn_res_backward_workspace,
     kda_backward_workspace,
     kda_kept_buffers,
     mla_key_segment_backward_workspace,
@@ -317,6 +319,15 @@ def _key_segment_attention(q, q_doc, kv_doc, inputs, weights, projection, option
     return _SavesForBackward.apply(out, q, out, lse)
 
 
+def _attn_res_mix(sources, query, gain, eps):
+    """The AttnRes op itself; its backward's workspace (the n source gradients it returns
+    together and the fp32 gradient of its output) counted."""
+    dim = sources[0].shape[-1]
+    _op_workspaces.append(attn_res_backward_workspace(
+        sources[0].numel() // dim, dim, tuple(v.dtype for v in sources)))
+    return attn_res_mix_triton(sources, query, gain, eps)
+
+
 def _grouped_gemm(x, w, offs, zero_padding_rows=True):
     return torch._grouped_mm(x, w.to(x.dtype), offs=offs)
 
@@ -361,7 +372,7 @@ def _cuda_kernel_stand_ins() -> Iterator[None]:
         mock.patch.object(moe_module, "situ_glu", _situ_glu),
         mock.patch.object(situ_glu_module, "situ_glu", _situ_glu),
         mock.patch.object(router_module, "qb_route", _qb_route),
-        mock.patch.object(attn_res_module, "ops_attn_res_mix", attn_res_mix_triton),
+        mock.patch.object(attn_res_module, "ops_attn_res_mix", _attn_res_mix),
         mock.patch.object(RMSNorm, "forward", _rms_norm),
         # torch.autocast has no meta device; the model only uses it to switch AMP off.
         mock.patch.object(torch, "autocast", lambda *a, **k: contextlib.nullcontext()),

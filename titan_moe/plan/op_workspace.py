@@ -3,7 +3,8 @@ launch skipped: the buffers are allocated exactly as on the GPU (on meta or CPU 
 kernel runs.
 
 The memory plan needs this for MLA's attention by key segments (its backward's Flash path on
-meta, mla_key_segment_backward_workspace) and for the KDA op. On a sequence of one segment the
+meta, mla_key_segment_backward_workspace), for an AttnRes site's backward
+(attn_res_backward_workspace) and for the KDA op. On a sequence of one segment the
 KDA forward keeps what the backward reads (chunk matrices and G in fp32; W, K_d, the chunk-entry
 states and V~ as bf16 GEMM operands): 2,560 B a token and head at K = V = 128, saved with the
 layer's other tensors, where the layer's largest activation is 2 bytes a channel. Its backward
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # The package exports the triton_ops under their modules' names: import the module by its path.
 chunk_triton = importlib.import_module("titan_moe.ops.kda.chunk_triton")
+attn_res_triton = importlib.import_module("titan_moe.ops.attn_res.attn_res_triton")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -70,8 +72,9 @@ class LiveBytes(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def kda_launches_skipped() -> Iterator[None]:
-    """The KDA op's kernel launches (through wrap_triton) return without running."""
+def launches_skipped(module) -> Iterator[None]:
+    """The kernel launches of `module` (an ops module, through its wrap_triton) return without
+    running."""
     def skip(*args, **kwargs):
         return None
 
@@ -82,29 +85,39 @@ def kda_launches_skipped() -> Iterator[None]:
         def __getitem__(self, grid):
             return skip
 
-    original = chunk_triton.wrap_triton
-    chunk_triton.wrap_triton = Skip
+    original = module.wrap_triton
+    module.wrap_triton = Skip
     try:
         yield
     finally:
-        chunk_triton.wrap_triton = original
+        module.wrap_triton = original
+
+
+def kda_launches_skipped() -> contextlib.AbstractContextManager[None]:
+    """The KDA op's kernel launches return without running."""
+    return launches_skipped(chunk_triton)
 
 
 @contextlib.contextmanager
-def kda_backward_bodies() -> Iterator[None]:
-    """The KDA op's backward triton_ops, as `chunk_triton._backward` calls them, run their Python
+def op_bodies(module, names: tuple[str, ...]) -> Iterator[None]:
+    """The triton_ops `names` of `module`, as the module's own code calls them, run their Python
     bodies directly: a custom op's body is hidden from a dispatch mode, and meta tensors have no
     kernel to dispatch to."""
-    names = ("chunk_kda_bwd", "chunk_kda_bwd_states", "chunk_kda_bwd_state_terms",
-             "chunk_kda_bwd_intra")
-    ops = {name: getattr(chunk_triton, name) for name in names}
+    ops = {name: getattr(module, name) for name in names}
     try:
         for name, op in ops.items():
-            setattr(chunk_triton, name, op._init_fn)
+            setattr(module, name, op._init_fn)
         yield
     finally:
         for name, op in ops.items():
-            setattr(chunk_triton, name, op)
+            setattr(module, name, op)
+
+
+def kda_backward_bodies() -> contextlib.AbstractContextManager[None]:
+    """The KDA op's backward triton_ops, as `chunk_triton._backward` calls them, run their
+    Python bodies directly."""
+    return op_bodies(chunk_triton, ("chunk_kda_bwd", "chunk_kda_bwd_states",
+                                    "chunk_kda_bwd_state_terms", "chunk_kda_bwd_intra"))
 
 
 def kda_backward(saved: tuple, kept: list[torch.Tensor] | None, do: torch.Tensor, scale: float,
@@ -161,6 +174,29 @@ def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: 
                              d_k**-0.5)
         del do, grads
     return tracker.peak - kept_bytes
+
+
+@functools.cache
+def attn_res_backward_workspace(rows: int, dim: int, dtypes: tuple[torch.dtype, ...]) -> int:
+    """Peak bytes an AttnRes site's backward holds besides its saved sources and stats, for
+    sources of `dtypes` ([rows, dim] each): the fp32 gradient of its output (the site casts the
+    op's fp32 output to the sources' dtype, so the cast's backward hands the op a new fp32
+    tensor) and what the op's backward allocates as autograd runs it (attn_res_triton._backward):
+    the n source gradients, returned together, u and the du partial sums. Its body runs on meta
+    with the kernel launch skipped. n gradients at once make it the largest transient of a late
+    layer in a long step: at 512K on the proxy (H100) each layer's backward rose about one
+    [T, d] bf16 tensor more per source its sites read."""
+    with torch.device("meta"):
+        sources = [torch.empty(rows, dim, dtype=dtype) for dtype in dtypes]
+        stats = torch.empty(3, len(dtypes), rows)
+        query, gain = torch.empty(dim), torch.empty(dim)
+        grad = torch.empty(rows, dim)
+    ctx = SimpleNamespace(saved_tensors=(*sources, stats, query, gain))
+    tracker = LiveBytes(ignore=(*sources, stats, query, gain, grad))
+    with launches_skipped(attn_res_triton), op_bodies(attn_res_triton, ("attn_res_bwd",)), tracker:
+        grads = attn_res_triton._backward(ctx, grad, None)
+        del grads
+    return tracker.peak + grad.nbytes
 
 
 @functools.cache
