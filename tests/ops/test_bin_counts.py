@@ -3,12 +3,17 @@ every (token, expert), and the op's schema and fake implementation. The CUDA ker
 with this reference on the GPU (tests/gpu/test_router_cuda.py). Counts are integers: equality is
 exact."""
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
 
 from tests.ops.fp32_histogram import fp32_histogram
 from titan_moe.ops.router.bin_counts import count_bins, count_bins_reference, experts_per_block
+
+# The module, not the op of the same name that titan_moe.ops.router exports.
+qb_route_module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
 
 
 def _numpy_counts(logits: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
@@ -57,12 +62,9 @@ class _Traced(Exception):
 def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
     """What Inductor compiles on CUDA (forced here on CPU tensors, traced but not run): the
     routing kernel writing the cutoffs, then count_bins on them, in one full graph."""
-    import importlib
-
     from torch._dynamo.backends.common import aot_autograd
 
-    module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
-    monkeypatch.setattr(module, "default_counting", lambda logits, n_bins: "shared")
+    monkeypatch.setattr(qb_route_module, "default_counting", lambda logits, n_bins: "shared")
     graphs = []
 
     def fw_compiler(gm, example_inputs):
@@ -74,9 +76,10 @@ def test_routing_op_traces_to_the_kernel_then_count_bins(monkeypatch):
         return run
 
     torch._dynamo.reset()
-    fn = torch.compile(lambda logits, bias: module.qb_route_triton(logits, bias, None, 3, 1.0, 50,
-                                                                   True),
-                       backend=aot_autograd(fw_compiler=fw_compiler), fullgraph=True)
+    def route(logits, bias):
+        return qb_route_module.qb_route_triton(logits, bias, None, 3, 1.0, 50, True)
+
+    fn = torch.compile(route, backend=aot_autograd(fw_compiler=fw_compiler), fullgraph=True)
     with pytest.raises(_Traced):
         fn(torch.randn(37, 12), torch.zeros(12))
     (graph,) = graphs
@@ -99,19 +102,16 @@ def test_default_counting_is_shared_from_the_threshold_where_the_kernel_exists(
         monkeypatch, n_tokens, n_experts, available, want):
     """The rule against its statement: shared from 2^22 (token, expert) pairs where count_bins
     has its kernel (availability asked for the logits' device and dtype), atomics otherwise."""
-    import importlib
-
-    module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
     asked = []
 
     def availability(device, n_bins, dtype):
         asked.append((device.type, n_bins, dtype))
         return available
 
-    monkeypatch.setattr(module, "shared_counting_available", availability)
+    monkeypatch.setattr(qb_route_module, "shared_counting_available", availability)
     logits = torch.empty(n_tokens, n_experts, device="meta")
-    assert module.SHARED_COUNTING_MIN_COUNTS == 2**22
-    assert module.default_counting(logits, 1000) == want
+    assert qb_route_module.SHARED_COUNTING_MIN_COUNTS == 2**22
+    assert qb_route_module.default_counting(logits, 1000) == want
     assert all(a == ("meta", 1000, torch.float32) for a in asked)
 
 
@@ -119,21 +119,18 @@ def test_op_counts_by_the_default_rule_and_not_without_a_histogram(monkeypatch):
     """launch_qb_route with counting None: the rule's choice decides whether the kernel writes
     cutoffs for count_bins (the launch recorded, not run: CPU tensors); without a histogram
     nothing is counted, whatever the rule says."""
-    import importlib
-
-    module = importlib.import_module("titan_moe.ops.router.qb_route_triton")
     launches, counted = [], []
 
     class AnyGrid(dict):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs["WRITE_ALPHA"])
 
-    monkeypatch.setattr(module, "wrap_triton", lambda kernel: AnyGrid())
-    monkeypatch.setattr(module, "count_bins", lambda *args: counted.append(args[3]))
+    monkeypatch.setattr(qb_route_module, "wrap_triton", lambda kernel: AnyGrid())
+    monkeypatch.setattr(qb_route_module, "count_bins", lambda *args: counted.append(args[3]))
     logits, bias = torch.randn(37, 12), torch.zeros(12)
     for choice in ("atomic", "shared"):
-        monkeypatch.setattr(module, "default_counting", lambda logits, n_bins, c=choice: c)
-        module.launch_qb_route(logits, bias, None, 3, 1.0, 50, True)
-        module.launch_qb_route(logits, bias, None, 3, 1.0, 50, False)
+        monkeypatch.setattr(qb_route_module, "default_counting", lambda logits, n_bins, c=choice: c)
+        qb_route_module.launch_qb_route(logits, bias, None, 3, 1.0, 50, True)
+        qb_route_module.launch_qb_route(logits, bias, None, 3, 1.0, 50, False)
     assert launches == [False, False, True, False]
     assert counted == [50]
