@@ -9,6 +9,8 @@ eager and compiled, and with --graphs compiled with CUDA graphs as training runs
   titan_moe  LatentMoE with latent width = d (so its experts have torchtitan's shapes), one shared
              expert of the same hidden width, the QB histogram on;
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
+Each layer compiles as its trainer compiles it: ours with our Inductor passes (--passes, by default
+those `compile.passes` installs), torchtitan's with none.
 The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
 E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
 Prints a table and writes JSON (--out); --profile N adds each row's N largest kernels of one
@@ -27,6 +29,7 @@ from report import environment
 from timing import device_profile, host_issue_ms, timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
+from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.moe import LatentMoE
 
@@ -53,14 +56,23 @@ def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dty
     return layer.train()
 
 
-def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top) -> dict:
+def compiled(layer, kind: str, mode: str, passes: list[str]):
+    """torch.compile of the layer in a compiled row's mode; our passes on our layer only."""
+    mode_name = COMPILE_MODES[mode]
+    options = {} if mode_name is None else dict(torch._inductor.list_mode_options(mode_name))
+    if kind == "titan_moe":
+        options.update(inductor_options(passes))
+    return torch.compile(layer, options=options)
+
+
+def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top, passes) -> dict:
     d, hidden, experts, k = shape
     layer = build(kind, d, hidden, experts, k, device, dtype)
     # Every row compiles its own layer: Dynamo's recompile limit (8 a code object) counts the
     # earlier rows' compiles of the same forward, and past it a row silently ran eagerly (d 3584
     # compiled, H100, 2026-12-06).
     torch._dynamo.reset()
-    fn = layer if mode == "eager" else torch.compile(layer, mode=COMPILE_MODES[mode])
+    fn = layer if mode == "eager" else compiled(layer, kind, mode, passes)
     x = torch.randn(1, tokens, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     leaves = [x, *(p for p in layer.parameters() if p.requires_grad)]
@@ -100,6 +112,9 @@ def main() -> None:
                         help="CUDA: also compiled with CUDA graphs (rows 'graphed')")
     parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
                         help="CUDA: list each row's N largest kernels of one forward+backward")
+    parser.add_argument("--passes", default=",".join(PASS_NAMES),
+                        help="our Inductor passes on our compiled layer, comma-separated "
+                             "('' for none); default: all, as compile.passes installs them")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                        for k, v in TINY.items()))
@@ -107,6 +122,11 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.tiny:
         vars(opts).update(TINY)
+    passes = [name for name in opts.passes.split(",") if name]
+    try:
+        check_pass_names(passes, "--passes")
+    except ValueError as e:
+        parser.error(str(e))
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split(",")) for s in opts.shapes.split(";")]
     if opts.graphs and opts.device != "cuda":
@@ -124,7 +144,7 @@ def main() -> None:
         for mode in modes:
             for kind in kinds:
                 r = bench_layer(kind, shape, opts.tokens, opts.device, dtype, mode,
-                                opts.warmup, opts.iters, opts.profile)
+                                opts.warmup, opts.iters, opts.profile, passes)
                 rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
                 print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
                       f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
@@ -136,7 +156,7 @@ def main() -> None:
                           f"{e['kernel'][:90]}")
                 # After every row, so a run stopped by a time limit keeps the rows it timed.
                 result = {**environment(), "tokens": opts.tokens, "dtype": str(dtype),
-                          "layers": rows}
+                          "titan_moe_passes": passes, "layers": rows}
                 with open(opts.out, "w") as f:
                     json.dump(result, f, indent=2)
     print(f"wrote {opts.out}")

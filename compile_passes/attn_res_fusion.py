@@ -127,5 +127,5 @@ def _stack_signatures(
     return found
 
 
-def pattern_pass() -> PatternMatcherPass:
+def graph_pass() -> PatternMatcherPass:
     return _LazyPatterns()
