@@ -127,5 +127,5 @@ def _stack_signatures(
     return found
 
 
-def graph_pass() -> PatternMatcherPass:
+def pattern_pass() -> PatternMatcherPass:
     return _LazyPatterns()

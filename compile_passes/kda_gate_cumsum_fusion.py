@@ -56,7 +56,7 @@ def gate_chunk_cumsum(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor, g_min: floa
 
 
 @functools.cache
-def graph_pass() -> PatternMatcherPass:
+def pattern_pass() -> PatternMatcherPass:
     patterns = PatternMatcherPass(pass_name=f"compile_passes.{NAME}")
     heads, d_k = 2, 16
     for dtype in PATTERN_DTYPES:

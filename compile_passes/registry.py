@@ -1,7 +1,7 @@
 """Our Inductor passes by name, and the one `joint_custom_post_pass` hook that runs them.
 
-    FusionPasses(["situ_glu", "attn_res", "kda_gate", "gemm_merge"])  -> a CustomGraphPass
-    inductor_options(names)                                           -> torch.compile(options=...)
+    FusionPasses(["situ_glu", "attn_res", "kda_gate"])    -> a torch._inductor CustomGraphPass
+    inductor_options(names)                               -> torch.compile(options=...) for it
 
 The hook runs on AOTAutograd's joint forward+backward graph (and on inference graphs), after
 Inductor's own joint normalisation (no-op removal, early patterns), which is the form the
@@ -19,20 +19,17 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.pattern_matcher import stable_topological_sort
+from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
 
-# name -> module; each module has `graph_pass()`, whose `apply(graph)` returns its match count.
-# gemm_merge comes last: the fusions' patterns were traced with the model's GEMMs unmerged.
+# name -> module; each module has `pattern_pass() -> PatternMatcherPass`.
 PASS_MODULES = {
     "situ_glu": "compile_passes.situ_glu_fusion",
     "attn_res": "compile_passes.attn_res_fusion",
     "kda_gate": "compile_passes.kda_gate_cumsum_fusion",
-    "gemm_merge": "compile_passes.gemm_merge",
 }
 PASS_NAMES = tuple(PASS_MODULES)
 COUNTER = "compile_passes"
@@ -50,15 +47,9 @@ def check_pass_names(names: Sequence[str], field: str = "compile.passes") -> Non
         raise ValueError(f"{field}: a pass is listed twice: {list(names)}")
 
 
-class GraphPass(Protocol):
-    """A PatternMatcherPass, or a pass written as a graph walk (gemm_merge)."""
-
-    def apply(self, graph: torch.fx.Graph) -> int | None: ...
-
-
 @functools.cache
-def _graph_pass(name: str) -> GraphPass:
-    return importlib.import_module(PASS_MODULES[name]).graph_pass()
+def _pattern_pass(name: str) -> PatternMatcherPass:
+    return importlib.import_module(PASS_MODULES[name]).pattern_pass()
 
 
 class FusionPasses(CustomGraphPass):
@@ -75,7 +66,7 @@ class FusionPasses(CustomGraphPass):
         drop_noop_conversions(graph)
         total = 0
         for name in self.names:
-            matched = _graph_pass(name).apply(graph) or 0
+            matched = _pattern_pass(name).apply(graph) or 0
             counters[COUNTER][name] += matched
             total += matched
         if total:

@@ -150,7 +150,7 @@ def _replace(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
 
 
 @functools.cache
-def graph_pass() -> PatternMatcherPass:
+def pattern_pass() -> PatternMatcherPass:
     """The pass, its patterns traced once per process (training and inference, per dtype)."""
     patterns = PatternMatcherPass(pass_name=f"compile_passes.{NAME}")
     for dtype in PATTERN_DTYPES:

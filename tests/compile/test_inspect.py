@@ -200,7 +200,7 @@ def test_clear_one_line_errors(tiny_config, tmp_path, capsys):
         (["--config", str(tmp_path / "missing.toml")], "no such file"),
         (["--config", str(tiny_config), "--block", "conv"], "unknown block"),
         (["--config", str(tiny_config), "--passes", "fuse_all"],
-         "--passes: unknown pass 'fuse_all'; allowed: situ_glu, attn_res, kda_gate, gemm_merge"),
+         "--passes: unknown pass 'fuse_all'; allowed: situ_glu, attn_res, kda_gate"),
         (
             ["--config", str(tiny_config), "--device", f"cuda:{torch.cuda.device_count() + 7}"],
             "cuda",

@@ -583,8 +583,7 @@ def _check_scale(job_config: Any, device_type: str) -> None:
 class Compile(tt_job_config.Compile):
     passes: list[str] = field(default_factory=lambda: list(PASS_NAMES))
     """Our Inductor passes (compile_passes/registry.py), installed on every compiled layer:
-    situ_glu, attn_res, kda_gate, gemm_merge; [] (CLI: --compile.passes "") compiles without
-    them."""
+    situ_glu, attn_res, kda_gate; [] (CLI: --compile.passes "") compiles without them."""
     fullgraph: bool = True
     """torch.compile(fullgraph=...) of each compiled piece: True turns a graph break into an
     error."""
