@@ -1,0 +1,44 @@
+"""bench/moe.py on this host: our compiled layer is compiled with our Inductor passes, by default
+every pass `compile.passes` installs (the JSON names them, and they fire), or with those --passes
+names ('' for none); an unknown name is one argparse error naming the flag."""
+
+import json
+import sys
+
+import pytest
+from torch._dynamo.utils import counters
+
+from compile_passes.registry import COUNTER, PASS_NAMES
+from tests.bench_scripts import BENCH, load_bench
+
+
+@pytest.fixture
+def moe(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # it imports its neighbours as scripts
+    return load_bench("moe")
+
+
+def _run(moe, monkeypatch, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "moe.json"
+    monkeypatch.setattr(sys, "argv", ["moe.py", "--tiny", "--device", "cpu", "--out", str(out),
+                                      *extra])
+    counters.clear()
+    moe.main()
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_compiled_rows_use_the_trainers_passes_unless_told(moe, monkeypatch, tmp_path):
+    result = _run(moe, monkeypatch, tmp_path)
+    assert result["titan_moe_passes"] == list(PASS_NAMES)
+    assert counters[COUNTER]["situ_glu"] > 0  # the shared and routed experts' SiTU-GLU
+    assert [r["mode"] for r in result["layers"]] == ["eager", "compiled"]
+    result = _run(moe, monkeypatch, tmp_path, "--passes", "")
+    assert result["titan_moe_passes"] == [] and sum(counters[COUNTER].values()) == 0
+
+
+def test_unknown_pass_names_the_flag(moe, monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _run(moe, monkeypatch, tmp_path, "--passes", "situ_glu,fuse_all")
+    assert exit_info.value.code == 2
+    assert "--passes: unknown pass 'fuse_all'; allowed: situ_glu" in capsys.readouterr().err
