@@ -10,7 +10,10 @@ eager and compiled, and with --graphs compiled with CUDA graphs as training runs
              expert of the same hidden width, the QB histogram on;
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
 Each layer compiles as its trainer compiles it: ours with our Inductor passes (--passes, by default
-those `compile.passes` installs), torchtitan's with none.
+those `compile.passes` installs), torchtitan's with none. With --rounds R both layers of a shape
+and mode are built at once and timed in turn, R times; a row is the median of its rounds, their
+spread printed and kept: host-bound compiled rows (d 512, H100) vary by about 5% between
+processes, as much as the gap between the layers.
 The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
 E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
 Prints a table and writes JSON (--out); --profile N adds each row's N largest kernels of one
@@ -23,6 +26,8 @@ The router alone: bench/qb_route.py.
 
 import argparse
 import json
+import statistics
+from collections.abc import Callable
 
 import torch
 from report import environment
@@ -65,13 +70,10 @@ def compiled(layer, kind: str, mode: str, passes: list[str]):
     return torch.compile(layer, options=options)
 
 
-def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top, passes) -> dict:
+def prepare(kind, shape, tokens, device, dtype, mode, passes) -> tuple[Callable, Callable]:
+    """(forward, forward+backward) calls of a fresh layer, compiled in the row's mode."""
     d, hidden, experts, k = shape
     layer = build(kind, d, hidden, experts, k, device, dtype)
-    # Every row compiles its own layer: Dynamo's recompile limit (8 a code object) counts the
-    # earlier rows' compiles of the same forward, and past it a row silently ran eagerly (d 3584
-    # compiled, H100, 2026-12-06).
-    torch._dynamo.reset()
     fn = layer if mode == "eager" else compiled(layer, kind, mode, passes)
     x = torch.randn(1, tokens, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
@@ -90,14 +92,32 @@ def bench_layer(kind, shape, tokens, device, dtype, mode, warmup, iters, top, pa
         torch.compiler.cudagraph_mark_step_begin()
         torch.autograd.grad(fn(x), leaves, grad, allow_unused=True)
 
-    r = {"fwd_ms": timed(fwd, device, warmup, iters),
-         "fwd_bwd_ms": timed(fwd_bwd, device, warmup, iters)}
-    if top and device == "cuda":
-        profile = device_profile(fwd_bwd, r["fwd_bwd_ms"], top=top)
-        r["profile"] = profile["top"]
-        r["classes"] = [{k: c[k] for k in ("class", "ms", "share")} for c in profile["by_class"]]
-        r["host_fwd_bwd_ms"] = host_issue_ms(fwd_bwd, device, iters)
-    return r
+    return fwd, fwd_bwd
+
+
+def time_rounds(calls: dict[str, tuple[Callable, Callable]], device: str, warmup: int,
+                iters: int, rounds: int) -> dict[str, dict]:
+    """Each round times every layer in turn (forward, then forward+backward), so a drift in the
+    machine's speed during the run falls on every layer alike. A layer's figure is the median
+    over rounds of each round's median; with rounds > 1 the rounds' figures are kept too."""
+    times = {kind: {"fwd_ms": [], "fwd_bwd_ms": []} for kind in calls}
+    for _ in range(rounds):
+        for kind, (fwd, fwd_bwd) in calls.items():
+            times[kind]["fwd_ms"].append(timed(fwd, device, warmup, iters))
+            times[kind]["fwd_bwd_ms"].append(timed(fwd_bwd, device, warmup, iters))
+    rows = {}
+    for kind, t in times.items():
+        rows[kind] = {key: statistics.median(values) for key, values in t.items()}
+        if rounds > 1:
+            rows[kind].update({f"{key}_rounds": values for key, values in t.items()})
+    return rows
+
+
+def profiled(fwd_bwd: Callable, fwd_bwd_ms: float, device: str, iters: int, top: int) -> dict:
+    profile = device_profile(fwd_bwd, fwd_bwd_ms, top=top)
+    return {"profile": profile["top"],
+            "classes": [{k: c[k] for k in ("class", "ms", "share")} for c in profile["by_class"]],
+            "host_fwd_bwd_ms": host_issue_ms(fwd_bwd, device, iters)}
 
 
 def main() -> None:
@@ -107,6 +127,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=ISSUE_SHAPES, help="d,hidden,E,k;...")
     parser.add_argument("--warmup", type=non_negative, default=3)
     parser.add_argument("--iters", type=positive, default=10)
+    parser.add_argument("--rounds", type=positive, default=1,
+                        help="time both layers of a shape and mode this many times, in turn, "
+                             "both alive at once (1: one layer at a time, as memory allows)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA: also compiled with CUDA graphs (rows 'graphed')")
@@ -142,19 +165,32 @@ def main() -> None:
           f"{'fwd ms':>8} {'fwd+bwd ms':>11}")
     for shape in shapes:
         for mode in modes:
-            for kind in kinds:
-                r = bench_layer(kind, shape, opts.tokens, opts.device, dtype, mode,
-                                opts.warmup, opts.iters, opts.profile, passes)
-                rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
-                print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
-                      f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}")
-                if "classes" in r:
-                    print(f"    host issues f+b in {r['host_fwd_bwd_ms']:.3f} ms; " + ", ".join(
-                        f"{c['class']} {c['ms']:.3f}" for c in r["classes"]))
-                for e in r.get("profile", []):
-                    print(f"    {e['ms']:7.3f} ms {100 * e['share']:5.1f}%  x{e['calls']:<3} "
-                          f"{e['kernel'][:90]}")
-                # After every row, so a run stopped by a time limit keeps the rows it timed.
+            for group in ([list(kinds)] if opts.rounds > 1 else [[kind] for kind in kinds]):
+                # Every group compiles its own layers: Dynamo's recompile limit (8 a code
+                # object) counts the earlier groups' compiles of the same forward, and past it a
+                # row silently ran eagerly (d 3584 compiled, H100, 2026-12-06).
+                torch._dynamo.reset()
+                calls = {kind: prepare(kind, shape, opts.tokens, opts.device, dtype, mode, passes)
+                         for kind in group}
+                timed_rows = time_rounds(calls, opts.device, opts.warmup, opts.iters, opts.rounds)
+                for kind in group:
+                    r = timed_rows[kind]
+                    if opts.profile and opts.device == "cuda":
+                        r.update(profiled(calls[kind][1], r["fwd_bwd_ms"], opts.device,
+                                          opts.iters, opts.profile))
+                    rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
+                    spread = (f"  (f+b rounds {min(r['fwd_bwd_ms_rounds']):.3f}"
+                              f"-{max(r['fwd_bwd_ms_rounds']):.3f})" if opts.rounds > 1 else "")
+                    print(f"{kind:<11} {shape[0]:>5} {shape[1]:>6} {shape[2]:>4} {shape[3]:>3} "
+                          f"{mode:<8} {r['fwd_ms']:>8.3f} {r['fwd_bwd_ms']:>11.3f}{spread}")
+                    if "classes" in r:
+                        print(f"    host issues f+b in {r['host_fwd_bwd_ms']:.3f} ms; " +
+                              ", ".join(f"{c['class']} {c['ms']:.3f}" for c in r["classes"]))
+                    for e in r.get("profile", []):
+                        print(f"    {e['ms']:7.3f} ms {100 * e['share']:5.1f}%  x{e['calls']:<3} "
+                              f"{e['kernel'][:90]}")
+                del calls
+                # After every group, so a run stopped by a time limit keeps the rows it timed.
                 result = {**environment(), "tokens": opts.tokens, "dtype": str(dtype),
                           "titan_moe_passes": passes, "layers": rows}
                 with open(opts.out, "w") as f:

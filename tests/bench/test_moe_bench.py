@@ -1,8 +1,10 @@
 """bench/moe.py on this host: our compiled layer is compiled with our Inductor passes, by default
 every pass `compile.passes` installs (the JSON names them, and they fire), or with those --passes
-names ('' for none); an unknown name is one argparse error naming the flag."""
+names ('' for none); an unknown name is one argparse error naming the flag. With --rounds the
+layers are timed in turn, round after round, and a row is the median of its rounds."""
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -42,3 +44,28 @@ def test_unknown_pass_names_the_flag(moe, monkeypatch, tmp_path, capsys):
         _run(moe, monkeypatch, tmp_path, "--passes", "situ_glu,fuse_all")
     assert exit_info.value.code == 2
     assert "--passes: unknown pass 'fuse_all'; allowed: situ_glu" in capsys.readouterr().err
+
+
+def test_rounds_time_the_layers_in_turn_and_report_the_median(moe, monkeypatch):
+    order, clock = [], iter(range(100))
+
+    def call(name):
+        return lambda: order.append(name)
+
+    # Each timed() call returns the next number of a counter: 8 calls, 2 layers x 2 x 2 rounds.
+    monkeypatch.setattr(moe, "timed", lambda fn, device, warmup, iters: (fn(), next(clock))[1])
+    calls = {"titan_moe": (call("ours fwd"), call("ours f+b")),
+             "torchtitan": (call("tt fwd"), call("tt f+b"))}
+    rows = moe.time_rounds(calls, "cpu", warmup=0, iters=1, rounds=2)
+    assert order == ["ours fwd", "ours f+b", "tt fwd", "tt f+b"] * 2
+    assert rows["titan_moe"]["fwd_bwd_ms_rounds"] == [1, 5]
+    assert rows["torchtitan"]["fwd_ms_rounds"] == [2, 6]
+    assert rows["torchtitan"]["fwd_bwd_ms"] == statistics.median([3, 7])
+
+
+@pytest.mark.slow
+def test_rounds_rows_keep_each_rounds_figure(moe, monkeypatch, tmp_path):
+    result = _run(moe, monkeypatch, tmp_path, "--rounds", "3", "--passes", "")
+    for row in result["layers"]:
+        assert len(row["fwd_bwd_ms_rounds"]) == 3
+        assert row["fwd_bwd_ms"] == statistics.median(row["fwd_bwd_ms_rounds"])
