@@ -114,6 +114,7 @@ def time_rounds(calls: dict[str, tuple[Callable, Callable]], device: str, warmup
 
 
 def profiled(fwd_bwd: Callable, fwd_bwd_ms: float, device: str, iters: int, top: int) -> dict:
+    """--profile's figures for a row: its top kernels, device time by class, host issue time."""
     profile = device_profile(fwd_bwd, fwd_bwd_ms, top=top)
     return {"profile": profile["top"],
             "classes": [{k: c[k] for k in ("class", "ms", "share")} for c in profile["by_class"]],
