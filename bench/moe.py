@@ -136,9 +136,10 @@ def main() -> None:
                         help="CUDA: also compiled with CUDA graphs (rows 'graphed')")
     parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
                         help="CUDA: list each row's N largest kernels of one forward+backward")
-    parser.add_argument("--passes", default=",".join(PASS_NAMES),
-                        help="our Inductor passes on our compiled layer, comma-separated "
-                             "('' for none); default: all, as compile.passes installs them")
+    parser.add_argument("--passes", nargs="*", metavar="PASS", default=list(PASS_NAMES),
+                        help=f"our Inductor passes on our compiled layer ({', '.join(PASS_NAMES)});"
+                             " none after the flag turns them off. Default: all, as "
+                             "compile.passes installs them")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                        for k, v in TINY.items()))
@@ -146,7 +147,7 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.tiny:
         vars(opts).update(TINY)
-    passes = [name for name in opts.passes.split(",") if name]
+    passes = opts.passes
     try:
         check_pass_names(passes, "--passes")
     except ValueError as e:

@@ -1,7 +1,8 @@
 """bench/moe.py on this host: our compiled layer is compiled with our Inductor passes, by default
 every pass `compile.passes` installs (the JSON names them, and they fire), or with those --passes
-names ('' for none); an unknown name is one argparse error naming the flag. With --rounds the
-layers are timed in turn, round after round, and a row is the median of its rounds."""
+names (none after the flag: none), as compile_passes.inspect takes them; an unknown name is one
+argparse error naming the flag. With --rounds the layers are timed in turn, round after round,
+and a row is the median of its rounds."""
 
 import json
 import statistics
@@ -35,13 +36,13 @@ def test_compiled_rows_use_the_trainers_passes_unless_told(moe, monkeypatch, tmp
     assert result["titan_moe_passes"] == list(PASS_NAMES)
     assert counters[COUNTER]["situ_glu"] > 0  # the shared and routed experts' SiTU-GLU
     assert [r["mode"] for r in result["layers"]] == ["eager", "compiled"]
-    result = _run(moe, monkeypatch, tmp_path, "--passes", "")
+    result = _run(moe, monkeypatch, tmp_path, "--passes")
     assert result["titan_moe_passes"] == [] and sum(counters[COUNTER].values()) == 0
 
 
 def test_unknown_pass_names_the_flag(moe, monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _run(moe, monkeypatch, tmp_path, "--passes", "situ_glu,fuse_all")
+        _run(moe, monkeypatch, tmp_path, "--passes", "situ_glu", "fuse_all")
     assert exit_info.value.code == 2
     assert "--passes: unknown pass 'fuse_all'; allowed: situ_glu" in capsys.readouterr().err
 
@@ -65,7 +66,7 @@ def test_rounds_time_the_layers_in_turn_and_report_the_median(moe, monkeypatch):
 
 @pytest.mark.slow
 def test_rounds_rows_keep_each_rounds_figure(moe, monkeypatch, tmp_path):
-    result = _run(moe, monkeypatch, tmp_path, "--rounds", "3", "--passes", "")
+    result = _run(moe, monkeypatch, tmp_path, "--rounds", "3", "--passes")
     for row in result["layers"]:
         assert len(row["fwd_bwd_ms_rounds"]) == 3
         assert row["fwd_bwd_ms"] == statistics.median(row["fwd_bwd_ms_rounds"])
