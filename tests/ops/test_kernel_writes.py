@@ -151,7 +151,7 @@ def test_moe_dispatch_kernels_write_only_their_outputs():
     def run(m):
         m.moe_dispatch_triton(torch.randn(16, 256), dest, src, 4)
         m.moe_combine_triton(torch.randn(80, 256), dest, src, weights)
-        m.moe_combine_bwd_triton(torch.randn(16, 256), torch.randn(80, 256), src, weights)
+        m.moe_combine_bwd_triton(torch.randn(16, 256), torch.randn(80, 256), dest, src, weights)
 
     got = written("titan_moe.ops.moe_dispatch.moe_dispatch_triton", run)
     assert got == {"scatter_rows_kernel": {"out_ptr"}, "gather_sum_rows_kernel": {"out_ptr"},

@@ -162,7 +162,8 @@ def run_opcheck() -> dict:
         "dispatch_bwd": torch.library.opcheck(moe_dispatch_bwd_triton, (dgrouped, dest, 5, 2),
                                               test_utils=schema),
         "combine_bwd": torch.library.opcheck(moe_combine_bwd_triton,
-                                             (du, expert_out.detach(), src, weights.detach()),
+                                             (du, expert_out.detach(), dest, src,
+                                              weights.detach()),
                                              test_utils=schema),
     }
     from titan_moe.ops.moe_dispatch import dispatch_layout_rows_triton

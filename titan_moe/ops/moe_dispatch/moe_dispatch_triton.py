@@ -6,10 +6,12 @@ first and nothing accumulates across programs (no atomics; deterministic):
     scatter_rows_kernel       dispatch forward, one program per BLOCK_R buffer rows: row r
                               copies z[src[r] // k], or writes zeros where src[r] = -1
     gather_sum_rows_kernel    combine forward (weighted) and dispatch backward (unweighted),
-                              one program per token: Σ_j w_j rows[dest[t·k + j]] in fp32
-    combine_bwd_kernel        combine backward, one program per BLOCK_R buffer rows: row r
-                              writes w[p] du[p // k] and dw[p] = <expert_out[r], du[p // k]>
-                              for p = src[r], zeros where src[r] = -1
+                              one program per BLOCK_T tokens and BLOCK_D columns:
+                              Σ_j w_j rows[dest[t·k + j]], slot by slot in fp32
+    combine_bwd_kernel        combine backward, one program per BLOCK_T tokens: for each
+                              pair p = t·k + j, row r = dest[p] gets w[p] du[t] and
+                              dw[p] = <expert_out[r], du[t]>; then one program per BLOCK_R
+                              buffer rows writes zeros where src[r] = -1
 
 src is dest's inverse (src[dest[p]] = p, -1 on rows no pair takes), built with the layout
 (`model/moe.py`), so the row-parallel kernels need no search. The PyTorch path it replaces
@@ -17,9 +19,10 @@ src is dest's inverse (src[dest[p]] = p, -1 on rows no pair takes), built with t
 them) took 10.7 ms of the proxy's 199.5 ms H200 step over 15 layers; these move the floor's
 bytes: each buffer row written once and read once a pass.
 
-A program holds a [BLOCK_K or BLOCK_R, BLOCK_D] tile of about TILE elements and loops over the
-row's width in BLOCK_D columns (D is a constexpr: one compile per model width). Fixed launch
-parameters, no autotuning. `titan_moe::moe_dispatch`, `moe_dispatch_bwd`, `moe_combine` and
+A program holds a [BLOCK_T or BLOCK_R, BLOCK_D] tile of about TILE elements; the row-parallel
+kernels loop over the row's width in BLOCK_D columns, the gather takes one column block per
+program (D is a constexpr: one compile per model width). Fixed launch parameters, no
+autotuning. `titan_moe::moe_dispatch`, `moe_dispatch_bwd`, `moe_combine` and
 `moe_combine_bwd` are `torch.library.triton_op`s (compile sees the kernels), autograd registered
 on the two forwards. CUDA only: callers branch on the device (`titan_moe.ops.moe_dispatch`).
 """
@@ -53,50 +56,67 @@ def scatter_rows_kernel(z_ptr, src_ptr, out_ptr, R, D: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def gather_sum_rows_kernel(rows_ptr, dest_ptr, w_ptr, out_ptr, D: tl.constexpr,
-                           K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+def gather_sum_rows_kernel(rows_ptr, dest_ptr, w_ptr, out_ptr, N, D: tl.constexpr,
+                           K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                            WEIGHTED: tl.constexpr):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
-    slots = tl.arange(0, BLOCK_K)
-    slot_ok = slots < K
-    source = tl.load(dest_ptr + token * K + slots, mask=slot_ok, other=0).to(tl.int64)
-    if WEIGHTED:
-        w = tl.load(w_ptr + token * K + slots, mask=slot_ok, other=0.0).to(tl.float32)
-    for c0 in range(0, D, BLOCK_D):
-        cols = c0 + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        values = tl.load(rows_ptr + source[:, None] * D + cols[None, :],
-                         mask=slot_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < N
+    tokens = tokens.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    read = token_ok[:, None] & (cols < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    # Slot by slot into a per-thread accumulator: the k loads of a token are independent (the
+    # loop unrolls) and nothing is reduced across threads.
+    for j in tl.static_range(K):
+        source = tl.load(dest_ptr + tokens * K + j, mask=token_ok, other=0).to(tl.int64)
+        values = tl.load(rows_ptr + source[:, None] * D + cols[None, :], mask=read, other=0.0)
+        values = values.to(tl.float32)
         if WEIGHTED:
-            values = values * w[:, None]
-        tl.store(out_ptr + token * D + cols, tl.sum(values, axis=0).to(out_ptr.dtype.element_ty),
-                 mask=col_ok)
+            w = tl.load(w_ptr + tokens * K + j, mask=token_ok, other=0.0).to(tl.float32)
+            values *= w[:, None]
+        acc += values
+    tl.store(out_ptr + tokens[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=read)
 
 
 @triton.jit
-def combine_bwd_kernel(du_ptr, rows_ptr, src_ptr, w_ptr, drows_ptr, dw_ptr, R,
-                       D: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_D: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    pair = tl.load(src_ptr + rows, mask=row_ok, other=-1)
-    taken = pair >= 0
-    pair = tl.where(taken, pair, 0).to(tl.int64)
-    token = pair // K
-    w = tl.load(w_ptr + pair, mask=taken, other=0.0).to(tl.float32)
-    own = rows.to(tl.int64)[:, None] * D
-    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, D, BLOCK_D):
-        cols = c0 + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        read = taken[:, None] & col_ok[None, :]
-        du = tl.load(du_ptr + token[:, None] * D + cols[None, :], mask=read, other=0.0)
-        value = tl.load(rows_ptr + own + cols[None, :], mask=read, other=0.0)
-        du = du.to(tl.float32)
-        dot += tl.sum(value.to(tl.float32) * du, axis=1)
-        tl.store(drows_ptr + own + cols[None, :], (du * w[:, None]).to(
-            drows_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(dw_ptr + pair, dot.to(dw_ptr.dtype.element_ty), mask=taken)
+def combine_bwd_kernel(du_ptr, rows_ptr, dest_ptr, src_ptr, w_ptr, drows_ptr, dw_ptr, N, R,
+                       TOKEN_PROGRAMS, D: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < TOKEN_PROGRAMS:
+        # Token-major: a token's du columns are read from memory once for its k rows (the
+        # later slots find them in cache), where a row-major pass reads them once per pair.
+        tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_ok = tokens < N
+        tokens = tokens.to(tl.int64)
+        for j in tl.static_range(K):
+            pair = tokens * K + j
+            row = tl.load(dest_ptr + pair, mask=token_ok, other=0).to(tl.int64)
+            w = tl.load(w_ptr + pair, mask=token_ok, other=0.0).to(tl.float32)
+            dot = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                read = token_ok[:, None] & (cols < D)[None, :]
+                du = tl.load(du_ptr + tokens[:, None] * D + cols[None, :], mask=read, other=0.0)
+                du = du.to(tl.float32)
+                value = tl.load(rows_ptr + row[:, None] * D + cols[None, :], mask=read, other=0.0)
+                dot += tl.sum(value.to(tl.float32) * du, axis=1)
+                tl.store(drows_ptr + row[:, None] * D + cols[None, :],
+                         (du * w[:, None]).to(drows_ptr.dtype.element_ty), mask=read)
+            tl.store(dw_ptr + pair, dot.to(dw_ptr.dtype.element_ty), mask=token_ok)
+    else:
+        # The rows no pair takes (src = -1) get zeros: the grouped GEMMs' weight gradients
+        # read them.
+        rows = (pid - TOKEN_PROGRAMS) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        pad = row_ok & (tl.load(src_ptr + rows, mask=row_ok, other=0) < 0)
+        own = rows.to(tl.int64)[:, None] * D
+        for c0 in range(0, D, BLOCK_D):
+            cols = c0 + tl.arange(0, BLOCK_D)
+            zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=drows_ptr.dtype.element_ty)
+            write = pad[:, None] & (cols < D)[None, :]
+            tl.store(drows_ptr + own + cols[None, :], zeros, mask=write)
 
 
 def validate_moe_dispatch_inputs(
@@ -149,11 +169,10 @@ def _gather_sum(rows: Tensor, dest: Tensor, weights: Tensor | None, n_tokens: in
                 dtype: torch.dtype) -> Tensor:
     width = rows.shape[1]
     out = torch.empty(n_tokens, width, device=rows.device, dtype=dtype)
-    # A token's k rows side by side: 2·TILE elements, so top-8 reads whole 1024-wide rows.
-    block_k = triton.next_power_of_2(top_k)
-    block_d = min(triton.next_power_of_2(width), max(16, 2 * TILE // block_k), MAX_BLOCK_D)
-    wrap_triton(gather_sum_rows_kernel)[(n_tokens,)](
-        rows, dest, weights, out, D=width, K=top_k, BLOCK_K=block_k, BLOCK_D=block_d,
+    block_d, block_t = _row_blocks(width)
+    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(width, block_d))
+    wrap_triton(gather_sum_rows_kernel)[grid](
+        rows, dest, weights, out, n_tokens, D=width, K=top_k, BLOCK_T=block_t, BLOCK_D=block_d,
         WEIGHTED=weights is not None, num_warps=WARPS,
     )  # fmt: skip
     return out
@@ -179,19 +198,22 @@ def moe_combine_triton(expert_out: Tensor, dest: Tensor, src: Tensor, weights: T
 
 @triton_op("titan_moe::moe_combine_bwd", mutates_args=())
 def moe_combine_bwd_triton(
-    du: Tensor, expert_out: Tensor, src: Tensor, weights: Tensor
+    du: Tensor, expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(dexpert_out [R, d] in expert_out's dtype, dweights [N, k] in weights' dtype) of
     `moe_combine_triton` given du [N, d]."""
-    du, expert_out = du.contiguous(), expert_out.contiguous()
+    du, expert_out, dest = du.contiguous(), expert_out.contiguous(), dest.contiguous()
     src, weights = src.contiguous(), weights.contiguous()
     n_rows, width = expert_out.shape
+    n_tokens, top_k = combine_shape(weights)
     drows = torch.empty_like(expert_out)
     dweights = torch.empty_like(weights)
     block_d, block_r = _row_blocks(width)
-    wrap_triton(combine_bwd_kernel)[(triton.cdiv(n_rows, block_r),)](
-        du, expert_out, src, weights, drows, dweights, n_rows, D=width, K=weights.shape[1],
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=WARPS,
+    block_t = block_r  # one slot's rows of BLOCK_T tokens at a time: a TILE
+    token_programs = triton.cdiv(n_tokens, block_t)
+    wrap_triton(combine_bwd_kernel)[(token_programs + triton.cdiv(n_rows, block_r),)](
+        du, expert_out, dest, src, weights, drows, dweights, n_tokens, n_rows, token_programs,
+        D=width, K=top_k, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=WARPS,
     )  # fmt: skip
     return drows, dweights
 
@@ -208,13 +230,13 @@ def _dispatch_backward(ctx, dgrouped: Tensor):
 
 
 def _combine_setup_context(ctx, inputs, output) -> None:
-    expert_out, _, src, weights = inputs
-    ctx.save_for_backward(expert_out, src, weights)
+    expert_out, dest, src, weights = inputs
+    ctx.save_for_backward(expert_out, dest, src, weights)
 
 
 def _combine_backward(ctx, du: Tensor):
-    expert_out, src, weights = ctx.saved_tensors
-    drows, dweights = moe_combine_bwd_triton(du, expert_out, src, weights)
+    expert_out, dest, src, weights = ctx.saved_tensors
+    drows, dweights = moe_combine_bwd_triton(du, expert_out, dest, src, weights)
     return drows, None, None, dweights
 
 
