@@ -73,8 +73,25 @@ def test_op_matches_float64_reference(n):
 def test_opcheck_on_cuda():
     sources, query, gain, _ = make_inputs(37, 96, 3)
     args = ([v.requires_grad_() for v in sources], query.requires_grad_(), gain.requires_grad_(),
-            EPS)
+            EPS, torch.bfloat16)
     torch.library.opcheck(attn_res_fwd, args)
+
+
+def test_output_in_the_sources_dtype_is_the_fp32_output_rounded():
+    # What the model's site asks for: the op writes bf16 and reads a bf16 gradient, where the
+    # site used to cast an fp32 output (and autograd its gradient back to fp32). Both round the
+    # same fp32 values to nearest once, and a bf16 gradient widens exactly: bit for bit equal.
+    sources, query, gain, grad_out = make_inputs(4096, 2048, 5, seed=2)
+    sources = [v.bfloat16() for v in sources]
+    leaves = [x.detach().clone().requires_grad_() for x in [*sources, query, gain]]
+    cast = attn_res_mix_triton(leaves[:-2], leaves[-2], leaves[-1], EPS).bfloat16()
+    cast_grads = torch.autograd.grad(cast, leaves, grad_out.bfloat16())
+    direct = attn_res_mix_triton(leaves[:-2], leaves[-2], leaves[-1], EPS,
+                                 out_dtype=torch.bfloat16)
+    direct_grads = torch.autograd.grad(direct, leaves, grad_out.bfloat16())
+    assert direct.dtype == torch.bfloat16 and torch.equal(direct, cast)
+    for got, want in zip(direct_grads, cast_grads, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("n", [1, 5, 9])

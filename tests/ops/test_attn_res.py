@@ -26,17 +26,20 @@ HALF_RTOL = 1e-2
 EPS = 1e-6
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
-# name -> (leading dims, d, source dtypes, non-contiguous sources)
+# name -> (leading dims, d, source dtypes, non-contiguous sources, output dtype)
 CASES = {
-    "n1-fp32-rows7-d24": ((7,), 24, [F32], False),
-    "n2-fp32-rows2x3-d40": ((2, 3), 40, [F32, F32], False),
-    "n2-fp16-rows6-d33": ((6,), 33, [F16, F16], False),
-    "n5-mixed-rows13-d64": ((13,), 64, [F32] + [BF16] * 4, False),
-    "n9-mixed-rows11-d48": ((11,), 48, [F32] + [BF16] * 8, False),
-    "n9-fp32-rows37-d24-loop": ((37,), 24, [F32] * 9, False),  # 5 row blocks, 2 programs
-    "n3-mixed-noncontiguous": ((2, 5), 40, [F32, BF16, BF16], True),
+    "n1-fp32-rows7-d24": ((7,), 24, [F32], False, F32),
+    "n2-fp32-rows2x3-d40": ((2, 3), 40, [F32, F32], False, F32),
+    "n2-fp16-rows6-d33": ((6,), 33, [F16, F16], False, F32),
+    "n5-mixed-rows13-d64": ((13,), 64, [F32] + [BF16] * 4, False, F32),
+    "n9-mixed-rows11-d48": ((11,), 48, [F32] + [BF16] * 8, False, F32),
+    "n9-fp32-rows37-d24-loop": ((37,), 24, [F32] * 9, False, F32),  # 5 row blocks, 2 programs
+    "n3-mixed-noncontiguous": ((2, 5), 40, [F32, BF16, BF16], True, F32),
     # 8192 // 5 // 256 = 6 rows before rounding: the forward's BLOCK_ROWS must be a power of two.
-    "n5-mixed-rows9-d256": ((9,), 256, [F32] + [BF16] * 4, False),
+    "n5-mixed-rows9-d256": ((9,), 256, [F32] + [BF16] * 4, False, F32),
+    # The model's sites: the output written in the sources' dtype, its gradient read in it.
+    "n4-bf16-rows21-d48-bf16-out": ((21,), 48, [BF16] * 4, False, BF16),
+    "n2-fp16-rows6-d33-fp16-out": ((6,), 33, [F16, F16], False, F16),
 }
 
 
@@ -67,16 +70,21 @@ def _grads(fn, sources, query, gain, grad_out):
     return out, grads
 
 
-def run_case(lead, dim, dtypes, noncontiguous) -> dict:
+def run_case(lead, dim, dtypes, noncontiguous, out_dtype) -> dict:
     sources, query, gain, grad_out = make_inputs(lead, dim, dtypes, noncontiguous)
     assert noncontiguous == any(not v.is_contiguous() for v in sources)
-    out, grads = _grads(attn_res_mix_triton, sources, query, gain, grad_out)
+    grad_out = grad_out.to(out_dtype)  # the gradient arrives in the output's dtype
+
+    def op(*args):
+        return attn_res_mix_triton(*args, out_dtype=out_dtype)
+
+    out, grads = _grads(op, sources, query, gain, grad_out)
     want, want_grads = _grads(attn_res_mix_naive, [v.double() for v in sources], query.double(),
                               gain.double(), grad_out.double())
     names = [f"d_source{i}" for i in range(len(sources))] + ["d_query", "d_gain"]
     report = {"out": rel_rms(out, want)}
     report.update({n: rel_rms(g, w) for n, g, w in zip(names, grads, want_grads, strict=True)})
-    report["dtypes_ok"] = out.dtype == F32 and out.shape == sources[0].shape and all(
+    report["dtypes_ok"] = out.dtype == out_dtype and out.shape == sources[0].shape and all(
         g.dtype == x.dtype and g.shape == x.shape
         for g, x in zip(grads, [*sources, query, gain], strict=True))
     return report
@@ -87,7 +95,7 @@ def run_opcheck() -> dict:
 
     sources, query, gain, _ = make_inputs((5,), 24, [F32, BF16, F32], False)
     args = ([v.requires_grad_() for v in sources], query.requires_grad_(),
-            gain.requires_grad_(), EPS)
+            gain.requires_grad_(), EPS, BF16)
     tests = ("test_schema", "test_autograd_registration")
     return {name: str(result) for name, result in
             torch.library.opcheck(attn_res_fwd, args, test_utils=tests).items()}
@@ -98,8 +106,10 @@ def test_op_matches_float64_reference_under_interpreter(results, name):
     report = results[name]
     assert "error" not in report, report.get("error")
     assert report.pop("dtypes_ok")
-    dtypes = CASES[name][2]
-    bounds = {"out": FP32_RTOL, "d_query": FP32_RTOL, "d_gain": FP32_RTOL}
+    dtypes, out_dtype = CASES[name][2], CASES[name][4]
+    # A bf16 (fp16) output is the fp32 result rounded once: HALF_RTOL as for the gradients.
+    bounds = {"out": FP32_RTOL if out_dtype == F32 else HALF_RTOL, "d_query": FP32_RTOL,
+              "d_gain": FP32_RTOL}
     bounds.update({f"d_source{i}": FP32_RTOL if dtype == F32 else HALF_RTOL
                    for i, dtype in enumerate(dtypes)})
     assert report.keys() == bounds.keys()

@@ -86,7 +86,7 @@ def test_attn_res_kernels_write_only_their_outputs():
     query, gain = torch.randn(256), torch.ones(256)
 
     def run(m):
-        m.attn_res_fwd(sources, query, gain, 1e-6)
+        m.attn_res_fwd(sources, query, gain, 1e-6, torch.float32)
         m.attn_res_bwd(sources, torch.empty(3, 3, 256), query, torch.randn(256, 256))
 
     got = written("titan_moe.ops.attn_res.attn_res_triton", run)

@@ -112,11 +112,12 @@ def test_kda_op_backward_by_segments_holds_one_segments_buffers(segments_of_128)
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 9, (torch.float32, torch.bfloat16)])
 def test_attn_res_backward_workspace_by_hand(dtypes):
-    # n source gradients in their sources' dtypes, returned together, and the fp32 gradient of
-    # the site's output; besides them only [d]-sized fp32 buffers (u, du, and the du partials,
-    # one row per backward program): the tolerance.
+    # n source gradients in their sources' dtypes, returned together, and the gradient of the
+    # site's output in the site's dtype (the first source's; read as it comes, no fp32 copy);
+    # besides them only [d]-sized fp32 buffers (u, du, and the du partials, one row per
+    # backward program): the tolerance.
     rows, dim = 1000, 48
-    want = sum(rows * dim * dtype.itemsize for dtype in dtypes) + rows * dim * 4
+    want = sum(rows * dim * dtype.itemsize for dtype in dtypes) + rows * dim * dtypes[0].itemsize
     small = 4 * dim * (attn_res_triton.CPU_PROGRAMS + 4)
-    got = attn_res_backward_workspace(rows, dim, dtypes)
+    got = attn_res_backward_workspace(rows, dim, dtypes, dtypes[0])
     assert want <= got <= want + small

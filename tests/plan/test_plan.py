@@ -85,7 +85,7 @@ def test_a_layers_recompute_holds_its_largest_op_workspace(tiny):
     kda_layer = layer_activation_bytes(args, 0, b, t)
     mla_layer = layer_activation_bytes(args, 2, b, t)
     kda = kda_backward_workspace(b, t, args.n_heads, args.head_dim, args.head_dim)
-    site = {n: attn_res_backward_workspace(b * t, args.dim, (torch.bfloat16,) * n)
+    site = {n: attn_res_backward_workspace(b * t, args.dim, (torch.bfloat16,) * n, torch.bfloat16)
             for n in (2, 3)}
     assert site[2] < site[3]
     assert kda_layer.workspace == max(kda, site[2])

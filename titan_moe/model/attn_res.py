@@ -26,7 +26,7 @@ class AttnResSite(nn.Module):
         self.gain = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, self.query, self.gain, self.eps).to(sources[0].dtype)
+        return attn_res_mix(sources, self.query, self.gain, self.eps, sources[0].dtype)
 
     def init_weights(self) -> None:
         nn.init.zeros_(self.query)
@@ -55,12 +55,14 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 
 def attn_res_mix(
-    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float
+    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The site's output in fp32 at least (float64 stays float64, for the reference tests), never
-    in AMP's bf16; the site casts it back to the sources' dtype. On CUDA the Triton op
-    (titan_moe/ops/attn_res), elsewhere the PyTorch reference
-    (`titan_moe.ops.attn_res.attn_res_mix_naive`). Kept apart from the cast so that
-    compile_passes/attn_res_fusion.py can match the mix alone (its patterns are traced from this
-    function on CPU, i.e. from the reference)."""
-    return ops_attn_res_mix(sources, query, gain, eps)
+    """The site's output, computed in fp32 at least (float64 stays float64, for the reference
+    tests), never in AMP's bf16, and returned in out_dtype (the site asks for its sources' dtype)
+    or, with None, in that compute dtype. On CUDA the Triton op (titan_moe/ops/attn_res), which
+    writes out_dtype itself, elsewhere the PyTorch reference
+    (`titan_moe.ops.attn_res.attn_res_mix_naive`) and a cast. compile_passes/attn_res_fusion.py
+    traces its patterns from this function with out_dtype None (the mix alone) on CPU, i.e. from
+    the reference."""
+    return ops_attn_res_mix(sources, query, gain, eps, out_dtype)

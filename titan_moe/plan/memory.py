@@ -319,13 +319,14 @@ def _key_segment_attention(q, q_doc, kv_doc, inputs, weights, projection, option
     return _SavesForBackward.apply(out, q, out, lse)
 
 
-def _attn_res_mix(sources, query, gain, eps):
+def _attn_res_mix(sources, query, gain, eps, out_dtype=None):
     """The AttnRes op itself; its backward's workspace (the n source gradients it returns
-    together and the fp32 gradient of its output) counted."""
+    together) counted."""
     dim = sources[0].shape[-1]
+    out_dtype = out_dtype or torch.float32
     _op_workspaces.append(attn_res_backward_workspace(
-        sources[0].numel() // dim, dim, tuple(v.dtype for v in sources)))
-    return attn_res_mix_triton(sources, query, gain, eps)
+        sources[0].numel() // dim, dim, tuple(v.dtype for v in sources), out_dtype))
+    return attn_res_mix_triton(sources, query, gain, eps, out_dtype)
 
 
 def _grouped_gemm(x, w, offs, zero_padding_rows=True):
@@ -496,7 +497,8 @@ def loss_phase_bytes(cfg: PlanConfig, b: int, t: int) -> float:
     loss's backward and the final AttnRes site's. The loss, chunked: one chunk's logits (bf16
     product, fp32 copy and its exp) and their gradient, the fp32 head-weight gradient and the
     hidden states' gradient; full logits: the fp32 log-softmax, its and the logits' gradient.
-    The site: its output's gradient in fp32 (the mix is fp32, cast to bf16), one gradient for
+    The site: its output's gradient (in the sources' dtype: its op writes that dtype and reads
+    the gradient as it comes, where autograd used to hand it an fp32 copy), one gradient for
     each of its n sources (the finished blocks and the last partial sum; they live on into the
     layers' backward) and the zero gradient autograd makes for its op's fp32 stats (12 n bytes
     a position). The norm's backward between them (its fp32 input brought back, its
@@ -509,7 +511,7 @@ def loss_phase_bytes(cfg: PlanConfig, b: int, t: int) -> float:
     else:
         loss = 12 * b * t * args.vocab_size
     sources = boundary_tensors(args.attn_res_block_size, args.n_layers)
-    site = sources * stream + b * t * (args.dim * 4 + 12 * sources)
+    site = (sources + 1) * stream + b * t * 12 * sources
     return max(loss, site)
 
 

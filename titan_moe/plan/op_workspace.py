@@ -177,20 +177,21 @@ def kda_backward_workspace(batch: int, seq_len: int, heads: int, d_k: int, d_v: 
 
 
 @functools.cache
-def attn_res_backward_workspace(rows: int, dim: int, dtypes: tuple[torch.dtype, ...]) -> int:
+def attn_res_backward_workspace(rows: int, dim: int, dtypes: tuple[torch.dtype, ...],
+                                out_dtype: torch.dtype) -> int:
     """Peak bytes an AttnRes site's backward holds besides its saved sources and stats, for
-    sources of `dtypes` ([rows, dim] each): the fp32 gradient of its output (the site casts the
-    op's fp32 output to the sources' dtype, so the cast's backward hands the op a new fp32
-    tensor) and what the op's backward allocates as autograd runs it (attn_res_triton._backward):
-    the n source gradients, returned together, u and the du partial sums. Its body runs on meta
-    with the kernel launch skipped. n gradients at once make it the largest transient of a late
-    layer in a long step: at 512K on the proxy (H100) each layer's backward rose about one
-    [T, d] bf16 tensor more per source its sites read."""
+    sources of `dtypes` ([rows, dim] each) and an output in out_dtype: the gradient of its output
+    (in out_dtype, the site's dtype, read by the op as it comes: while the site cast an fp32
+    output, autograd made an fp32 copy of it) and what the op's backward allocates as autograd
+    runs it (attn_res_triton._backward): the n source gradients, returned together, u and the du
+    partial sums. Its body runs on meta with the kernel launch skipped. n gradients at once make
+    it the largest transient of a late layer in a long step: at 512K on the proxy (H100) each
+    layer's backward rose about one [T, d] bf16 tensor more per source its sites read."""
     with torch.device("meta"):
         sources = [torch.empty(rows, dim, dtype=dtype) for dtype in dtypes]
         stats = torch.empty(3, len(dtypes), rows)
         query, gain = torch.empty(dim), torch.empty(dim)
-        grad = torch.empty(rows, dim)
+        grad = torch.empty(rows, dim, dtype=out_dtype)
     ctx = SimpleNamespace(saved_tensors=(*sources, stats, query, gain))
     tracker = LiveBytes(ignore=(*sources, stats, query, gain, grad))
     with launches_skipped(attn_res_triton), op_bodies(attn_res_triton, ("attn_res_bwd",)), tracker:

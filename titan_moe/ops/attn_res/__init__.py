@@ -6,6 +6,7 @@ reference (`naive.py`, also float64 and any n). The branch is on the device, in 
 any op is called: Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
+import torch
 from torch import Tensor
 
 from titan_moe.ops.attn_res.attn_res_triton import TRITON_DTYPES, attn_res_mix_triton
@@ -27,10 +28,16 @@ def uses_triton(sources: list[Tensor]) -> bool:
     )
 
 
-def attn_res_mix(sources: list[Tensor], query: Tensor, gain: Tensor, eps: float) -> Tensor:
-    """sources: n tensors [..., d] of one shape; query, gain: [d] -> [..., d] in fp32 (float64
-    for float64 sources). See `naive.attn_res_mix_naive` for the definition."""
+def attn_res_mix(
+    sources: list[Tensor], query: Tensor, gain: Tensor, eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """sources: n tensors [..., d] of one shape; query, gain: [d] -> [..., d] computed in fp32
+    (float64 for float64 sources) and returned in out_dtype if given. The Triton op writes
+    out_dtype itself, so no wider copy of the output or of its gradient is made. See
+    `naive.attn_res_mix_naive` for the definition."""
     validate_attn_res_inputs(sources, query, gain, None)
-    if uses_triton(sources):
-        return attn_res_mix_triton(sources, query, gain, eps)
-    return attn_res_mix_naive(sources, query, gain, eps)
+    if uses_triton(sources) and out_dtype in (None, *TRITON_DTYPES):
+        return attn_res_mix_triton(sources, query, gain, eps, out_dtype or torch.float32)
+    out = attn_res_mix_naive(sources, query, gain, eps)
+    return out if out_dtype is None else out.to(out_dtype)

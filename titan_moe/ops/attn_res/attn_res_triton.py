@@ -8,8 +8,10 @@ acc [BLOCK_ROWS, BLOCK_D]; source i gives r_i, s_i from one load, then
 
     m' = max(m, s_i);  acc = acc·exp(m - m') + exp(s_i - m')·V_i;  l = l·exp(m - m') + exp(s_i - m')
 
-and out = acc / l. It writes out [rows, d] fp32 and stats [3, n, rows] fp32 (p, r, s) for the
-backward, n·12 bytes a row against the 2–4·d·n bytes of the sources.
+and out = acc / l. It writes out [rows, d] in the dtype asked for (the site asks for its
+sources', so no fp32 copy of the output, nor of its gradient, exists: 8 GiB each at 1M tokens
+and d = 2048) and stats [3, n, rows] fp32 (p, r, s) for the backward, n·12 bytes a row against
+the 2–4·d·n bytes of the sources. The gradient comes back in out's dtype and is read as fp32.
 
 Backward (`attn_res_bwd_kernel`): a fixed grid of PROGRAMS_PER_SM programs per SM, each looping
 over row blocks. Pass 1 reads g and every V_i for dp_i = <g, V_i> (c = Σ p_j dp_j needs all of
@@ -137,7 +139,7 @@ def attn_res_fwd_kernel(
         r_all = tl.where(slots[None, :] == i, r[:, None], r_all)
         s_all = tl.where(slots[None, :] == i, s[:, None], s_all)
 
-    tl.store(out_ptr + offs, acc / denom[:, None], mask=in_tile)
+    tl.store(out_ptr + offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=in_tile)
     p_all = tl.exp(s_all - m[:, None]) / denom[:, None]
     stat_offs = slots[None, :].to(tl.int64) * n_rows + rows[:, None]
     stat_ok = row_ok[:, None] & (slots[None, :] < N)
@@ -170,7 +172,7 @@ def attn_res_bwd_kernel(
         row_ok = rows < n_rows
         in_tile = row_ok[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        g = tl.load(grad_ptr + offs, mask=in_tile, other=0.0)
+        g = tl.load(grad_ptr + offs, mask=in_tile, other=0.0).to(tl.float32)
         stat_offs = slots[None, :].to(tl.int64) * n_rows + rows[:, None]
         stat_ok = row_ok[:, None] & (slots[None, :] < N)
         p_all = tl.load(stats_ptr + stat_offs, mask=stat_ok, other=0.0)
@@ -241,19 +243,19 @@ def validate_triton_inputs(sources: list[Tensor], query: Tensor, gain: Tensor) -
 
 @triton_op("titan_moe::attn_res_fwd", mutates_args=())
 def attn_res_fwd(
-    sources: list[Tensor], query: Tensor, gain: Tensor, eps: float
+    sources: list[Tensor], query: Tensor, gain: Tensor, eps: float, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """(out [..., d] fp32, stats [3, n, rows] fp32: p, r, s for the backward).
+    """(out [..., d] in out_dtype, stats [3, n, rows] fp32: p, r, s for the backward).
 
     Sources: 1 ≤ n ≤ 9 tensors of one shape [..., d], each fp32, bf16 or fp16 (mixed is fine);
-    query and gain [d]."""
+    query and gain [d]; out_dtype fp32, bf16 or fp16 (computed in fp32, rounded once)."""
     validate_triton_inputs(sources, query, gain)
     sources = [v.contiguous() for v in sources]
     n, dim = len(sources), int(sources[0].shape[-1])  # d is a kernel constant: specialised
     n_rows = sources[0].numel() // dim
     device = sources[0].device
     u = (gain * query).float().contiguous()  # rounded as the reference rounds it
-    out = torch.empty(sources[0].shape, device=device, dtype=torch.float32)
+    out = torch.empty(sources[0].shape, device=device, dtype=out_dtype)
     stats = torch.empty(3, n, n_rows, device=device, dtype=torch.float32)
     block_rows, block_d, num_warps = _blocks(dim, FWD_ROW_ELEMENTS // n)
     wrap_triton(attn_res_fwd_kernel)[(triton.cdiv(n_rows, block_rows),)](
@@ -286,7 +288,7 @@ def attn_res_bwd(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    sources, query, gain, _ = inputs
+    sources, query, gain, _, _ = inputs
     _, stats = output
     ctx.n = len(sources)
     ctx.mark_non_differentiable(stats)
@@ -297,19 +299,22 @@ def _backward(ctx, grad_out: Tensor, _grad_stats: Tensor | None):
     *sources, stats, query, gain = ctx.saved_tensors
     sources = [v.contiguous() for v in sources]
     u = (gain * query).float().contiguous()
-    *grads, du = attn_res_bwd(sources, stats, u, grad_out.float().contiguous())
+    *grads, du = attn_res_bwd(sources, stats, u, grad_out.contiguous())
     d_query = (du * gain.float()).to(query.dtype)
     d_gain = (du * query.float()).to(gain.dtype)
-    return grads, d_query, d_gain, None
+    return grads, d_query, d_gain, None, None
 
 
 attn_res_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attn_res_mix_triton(
-    sources: list[Tensor], query: Tensor, gain: Tensor, eps: float
+    sources: list[Tensor], query: Tensor, gain: Tensor, eps: float,
+    out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """`naive.attn_res_mix_naive` as the Triton op: [..., d] fp32."""
+    """`naive.attn_res_mix_naive` as the Triton op: [..., d] in out_dtype (fp32 by default)."""
     validate_triton_inputs(sources, query, gain)
-    out, _ = attn_res_fwd(list(sources), query, gain, float(eps))
+    if out_dtype not in TRITON_DTYPES:
+        raise ValueError(f"attn_res: out_dtype must be one of fp32/bf16/fp16, got {out_dtype}")
+    out, _ = attn_res_fwd(list(sources), query, gain, float(eps), out_dtype)
     return out
