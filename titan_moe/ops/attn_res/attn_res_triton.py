@@ -154,7 +154,7 @@ def attn_res_bwd_kernel(
     s0, s1, s2, s3, s4, s5, s6, s7, s8, d0, d1, d2, d3, d4, d5, d6, d7, d8,
     u_ptr, grad_ptr, stats_ptr, du_ptr, n_rows, n_blocks, n_programs,
     N: tl.constexpr, D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr = 0,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -198,6 +198,8 @@ def attn_res_bwd_kernel(
             ds = tl.sum(tl.where(slots[None, :] == i, ds_all, 0.0), axis=1)
             dsr = ds * r
             dv = p[:, None] * g + dsr[:, None] * u[None, :] - (dsr * s * r / D)[:, None] * v
+            if (ACCUMULATE >> i) & 1:  # bit i: add into source i's gradient buffer
+                dv += tl.load(dst + offs, mask=in_tile, other=0.0).to(tl.float32)
             tl.store(dst + offs, dv.to(dst.dtype.element_ty), mask=in_tile)
             du += tl.sum(dsr[:, None] * v, axis=0)
         block += n_programs
@@ -271,10 +273,27 @@ def attn_res_bwd(
     sources: list[Tensor], stats: Tensor, u: Tensor, grad: Tensor
 ) -> list[Tensor]:
     """[dV_0, ..., dV_{n-1} (each in its source's dtype), du [d] fp32] for u = gain ⊙ query."""
+    grads = [torch.empty_like(v) for v in sources]
+    return grads + [_launch_backward(sources, stats, u, grad, grads, 0)]
+
+
+def attn_res_bwd_into(
+    sources: list[Tensor], stats: Tensor, u: Tensor, grad: Tensor, grads: list[Tensor],
+    accumulate: list[bool],
+) -> Tensor:
+    """attn_res_bwd writing dV_i into grads[i] (added to what it holds where accumulate[i]);
+    returns du [d] fp32. Eager only (it writes into its arguments): the gradient sinks'
+    backward (model/attn_res_sink.py), where a block's gradient is summed in place over the
+    sites that read it instead of returned by each."""
+    mask = sum(1 << i for i, add in enumerate(accumulate) if add)
+    return _launch_backward(sources, stats, u, grad.contiguous(), grads, mask)
+
+
+def _launch_backward(sources: list[Tensor], stats: Tensor, u: Tensor, grad: Tensor,
+                     grads: list[Tensor], accumulate: int) -> Tensor:
     n, dim = len(sources), int(sources[0].shape[-1])
     n_rows = sources[0].numel() // dim
     device = sources[0].device
-    grads = [torch.empty_like(v) for v in sources]
     block_rows, block_d, num_warps = _blocks(dim, BWD_ROW_ELEMENTS)
     n_blocks = triton.cdiv(n_rows, block_rows)
     programs = _backward_programs(device, n_blocks)
@@ -282,9 +301,9 @@ def attn_res_bwd(
     wrap_triton(attn_res_bwd_kernel)[(programs,)](
         *_padded(sources), *_padded(grads), u, grad, stats, du_partial, n_rows, n_blocks, programs,
         N=n, D=dim, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-        BLOCK_N=triton.next_power_of_2(n), num_warps=num_warps,
+        BLOCK_N=triton.next_power_of_2(n), ACCUMULATE=accumulate, num_warps=num_warps,
     )  # fmt: skip
-    return grads + [du_partial.sum(0)]
+    return du_partial.sum(0)
 
 
 def _setup_context(ctx, inputs, output) -> None:
