@@ -15,7 +15,9 @@ one chunk's expert buffers alive in backward), and with --seq-segment the KDA mi
 of positions (the recurrent state and conv taps carried between them), the MLA mixers by query
 segments (each against its causal prefix's keys) and the dense FFN by token chunks, each under
 its own checkpoint (titan_moe.seq_segment: a layer's recompute holds one segment's projections,
-conv outputs and gates instead of all T positions'). Parameters are
+conv outputs and gates instead of all T positions'), and with --attn-res-sink the finished
+blocks' gradients summed in place by the AttnRes sites' eager backward (titan_moe.
+attn_res_grad_sink: a site returns one source gradient, not one a source). Parameters are
 bf16 (FSDP's param_dtype in training; no fp32 master copy or optimizer state is held here).
 Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and
@@ -56,11 +58,12 @@ TINY_LENGTHS = "128,256"
 
 
 def model_args(flavor: str, n_layers: int | None, moe_chunk: int = 0,
-               seq_segment: int = 0) -> TitanMoEArgs:
+               seq_segment: int = 0, attn_res_sink: bool = False) -> TitanMoEArgs:
     args = get_flavor(flavor)
     if n_layers is not None:
         args.n_layers, args.mla_layers = n_layers, (n_layers,)
     args.moe_token_chunk, args.seq_segment = moe_chunk, seq_segment
+    args.attn_res_grad_sink = attn_res_sink
     return args.validate()
 
 
@@ -274,6 +277,8 @@ def main() -> None:
                              "of 64 (titan_moe.seq_segment; 0: whole sequences)")
     parser.add_argument("--ac", choices=("full", "none"), default="full",
                         help="activation checkpointing of every decoder layer, or none")
+    parser.add_argument("--attn-res-sink", action="store_true",
+                        help="the blocks' gradients summed in place (titan_moe.attn_res_grad_sink)")
     parser.add_argument("--offload", action="store_true",
                         help="saved layer inputs to pinned host memory (needs --ac full)")
     parser.add_argument("--compile", action="store_true",
@@ -302,7 +307,8 @@ def main() -> None:
     if args.offload and args.ac != "full":
         parser.error("--offload needs --ac full")
     try:
-        model_cfg = model_args(args.flavor, args.n_layers, args.moe_chunk, args.seq_segment)
+        model_cfg = model_args(args.flavor, args.n_layers, args.moe_chunk, args.seq_segment,
+                               args.attn_res_sink)
     except ConfigError as error:
         parser.error(str(error))
     model = build(model_cfg, device, dtype, args.ac, args.compile)
@@ -336,6 +342,7 @@ def main() -> None:
                            "cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"],
                            "offload": args.offload, "loss_chunk": args.loss_chunk,
                            "moe_chunk": args.moe_chunk, "seq_segment": args.seq_segment,
+                           "attn_res_sink": args.attn_res_sink,
                            "rows": rows}, f, indent=2)
 
 

@@ -1,13 +1,18 @@
 """Compile by sublayer, around nested FSDP units: what gets compiled, without compiling anything
 (torch.compile is lazy, so this inspects the wrapping only)."""
 
+from dataclasses import replace
+
+import pytest
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     checkpoint_wrapper,
 )
 
-from tests.distributed.harness import build_model
+from tests.distributed.harness import build_model, tiny_args
+from titan_moe.model.attn_res import AttnResSite
+from titan_moe.model.model import TitanMoE
 from titan_moe.model.moe import GroupedExperts
 from titan_moe.parallel.parallelize import apply_compile, fsdp_units
 
@@ -53,3 +58,32 @@ def test_units_stay_modules_and_the_code_between_them_compiles():
     for name in ("w_down", "w_up", "shared"):
         assert isinstance(getattr(layer.ffn, name), OptimizedModule), name
     assert isinstance(layer.mixer.w_q, OptimizedModule)
+
+
+def test_sinked_sites_stay_eager_and_whole_layers_refuse_them():
+    # Their backward adds into the blocks' gradient sinks, which no compiled graph may do.
+    model = TitanMoE(replace(tiny_args(), attn_res_grad_sink=True))
+    apply_compile(model, "inductor", set())
+    layer = model.layers["1"]
+    for site in (layer.mixer_site, layer.ffn_site):
+        assert isinstance(site, AttnResSite) and site.grad_sink
+    assert isinstance(layer.mixer, OptimizedModule) and isinstance(layer.ffn, OptimizedModule)
+    with pytest.raises(ValueError, match="attn_res_grad_sink"):
+        apply_compile(TitanMoE(replace(tiny_args(), attn_res_grad_sink=True)), "inductor", set(),
+                      whole_layers=True)
+
+
+def test_sinked_sites_refuse_data_parallel_sharding():
+    # FSDP2 would fill the blocks' None gradients with zeros at every fp32 site unit.
+    from types import SimpleNamespace
+
+    from titan_moe.model.args import TitanMoEArgs
+    from titan_moe.parallel.parallelize import parallelize_titan_moe
+    from titan_moe.train.config import job_config_class
+
+    dims = SimpleNamespace(tp_enabled=False, etp_enabled=False, cp_enabled=False,
+                           ep_enabled=False, fsdp_enabled=True, dp_replicate_enabled=False)
+    config = job_config_class(TitanMoEArgs)()
+    model = TitanMoE(replace(tiny_args(), attn_res_grad_sink=True))
+    with pytest.raises(ValueError, match="attn_res_grad_sink is for one GPU"):
+        parallelize_titan_moe(model, dims, config)

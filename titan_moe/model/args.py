@@ -91,6 +91,10 @@ class TitanMoEArgs(BaseModelArgs):
     # Block AttnRes (spec §2).
     attn_res_block_size: int = 2
     attn_res_eps: float = 1e-6
+    # Long context: each finished block's gradient summed in place, in a buffer its sites' eager
+    # backward adds into (model/attn_res_sink.py), so a site's backward returns one source
+    # gradient instead of one for each of its sources; the sites then stay out of compile.
+    attn_res_grad_sink: bool = False
 
     # KDA (spec §3): d_k = d_v = head_dim.
     n_heads: int = 2
@@ -186,6 +190,8 @@ class TitanMoEArgs(BaseModelArgs):
              f"must be < n_experts = {self.n_experts}: Quantile Balancing needs the (k+1)-th score")
         need(self.n_shared_experts == 0 or self.shared_hidden > 0, "shared_hidden",
              "must be positive when n_shared_experts > 0")
+        need(isinstance(self.attn_res_grad_sink, bool), "attn_res_grad_sink",
+             "must be true or false")
         need(isinstance(self.moe_token_chunk, int) and self.moe_token_chunk >= 0,
              "moe_token_chunk", "must be an integer >= 0 (tokens a MoE chunk; 0: no chunks)")
         need(isinstance(self.seq_segment, int) and self.seq_segment >= 0

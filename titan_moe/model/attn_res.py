@@ -15,17 +15,24 @@ titan_moe/ops/attn_res: a Triton op on CUDA, the PyTorch reference elsewhere.
 import torch
 import torch.nn as nn
 
+from titan_moe.model.attn_res_sink import sinked_mix
 from titan_moe.ops.attn_res import attn_res_mix as ops_attn_res_mix
 
 
 class AttnResSite(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """grad_sink: the sources made by `attn_res_sink.sink_block` get their gradients added into
+    their sinks (eager only), not returned."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, grad_sink: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.grad_sink = grad_sink
         self.query = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
         self.gain = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if self.grad_sink:
+            return sinked_mix(sources, self.query, self.gain, self.eps, sources[0].dtype)
         return attn_res_mix(sources, self.query, self.gain, self.eps, sources[0].dtype)
 
     def init_weights(self) -> None:

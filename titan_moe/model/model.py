@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.attn_res import AttnResSite, FinalAttnResSite
+from titan_moe.model.attn_res_sink import sink_block
 from titan_moe.model.kda import KDAState, KimiDeltaAttention, StaticKDAState
 from titan_moe.model.mla import GatedMLA, MLACache, StaticMLACache
 from titan_moe.model.moe import LatentMoE
@@ -42,8 +43,10 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.starts_block = layer_id % args.attn_res_block_size == 0
         # Layer 0 reads the embedding directly: its mixer site would have one source only.
-        self.mixer_site = AttnResSite(args.dim, args.attn_res_eps) if layer_id > 0 else None
-        self.ffn_site = AttnResSite(args.dim, args.attn_res_eps)
+        sink = args.attn_res_grad_sink
+        self.grad_sink = sink
+        self.mixer_site = AttnResSite(args.dim, args.attn_res_eps, sink) if layer_id > 0 else None
+        self.ffn_site = AttnResSite(args.dim, args.attn_res_eps, sink)
         self.mixer_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.mixer = GatedMLA(args) if args.is_mla(layer_id) else KimiDeltaAttention(args)
@@ -76,7 +79,7 @@ class DecoderLayer(nn.Module):
         else:
             a = self.mixer(self.mixer_norm(x), cache=cache, valid=valid)
         if self.starts_block:
-            blocks = blocks + [partial]
+            blocks = blocks + [sink_block(partial) if self.grad_sink else partial]
             partial = a
         else:
             partial = self.residual_add(partial, a)
@@ -101,7 +104,7 @@ class TitanMoE(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(i, args) for i in range(args.n_layers)})
-        self.final_site = FinalAttnResSite(args.dim, args.attn_res_eps)
+        self.final_site = FinalAttnResSite(args.dim, args.attn_res_eps, args.attn_res_grad_sink)
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         vision = args.vision_config()

@@ -30,6 +30,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
+from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import TitanMoE
@@ -74,9 +75,18 @@ def parallelize_titan_moe(
                  op_sac_save_list=OP_SAC_SAVE_LIST, base_folder=job_config.job.dump_folder)
     param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]
-    if job_config.parallelism.sharding == "simple_fsdp":
-        return apply_simple_fsdp(model, parallel_dims, job_config, param_dtype, reduce_dtype)
     shard = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    simple_fsdp = job_config.parallelism.sharding == "simple_fsdp"
+    if _has_grad_sinks(model) and (shard or simple_fsdp):
+        # FSDP2 wraps an fp32 site unit's inputs in an autograd function that materialises the
+        # None gradients a sinked site returns for the blocks as zeros (a [T, d] tensor each);
+        # simple_fsdp compiles the sites.
+        raise ValueError("titan_moe.attn_res_grad_sink is for one GPU without data parallelism "
+                         "(parallelism.data_parallel_shard_degree = 1, "
+                         "data_parallel_replicate_degree = 1, sharding = 'fsdp2'); set "
+                         "attn_res_grad_sink = false to shard")
+    if simple_fsdp:
+        return apply_simple_fsdp(model, parallel_dims, job_config, param_dtype, reduce_dtype)
     if compile_model:
         units = fsdp_units(model, parallel_dims.ep_enabled, fp32_islands(shard, param_dtype))
         ac = job_config.activation_checkpoint
@@ -209,12 +219,19 @@ def apply_compile(
         embedding = getattr(model, "tok_embeddings", None)
         if embedding is not None and embedding not in units:
             model.tok_embeddings = compile_fn(embedding)
+    if _has_grad_sinks(model) and whole_layers:
+        raise ValueError("titan_moe.attn_res_grad_sink needs the AttnRes sites eager, and a "
+                         "whole-layer compile (activation_checkpoint.mode = 'selective', op "
+                         "level) traces them; allowed: per-sublayer compile (full or no AC) or "
+                         "attn_res_grad_sink = false")
     for layer_id, layer in model.layers.named_children():
         if whole_layers:
             model.layers.register_module(layer_id, _compile_around(layer, compile_fn, units))
             continue
         inner = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
         for name, child in list(inner.named_children()):
+            if isinstance(child, AttnResSite) and child.grad_sink:
+                continue  # its backward adds into the blocks' sinks: eager (attn_res_sink.py)
             inner.register_module(name, _compile_around(child, compile_fn, units))
     vision = getattr(model, "vision", None)
     if vision is not None:
@@ -230,6 +247,11 @@ def apply_compile(
                     if isinstance(m, (KimiDeltaAttention, GatedMLA)))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                (3 if segmented else 1) * n_layers + 2)
+
+
+def _has_grad_sinks(model: nn.Module) -> bool:
+    """Whether the model's AttnRes sites add into gradient sinks (model/attn_res_sink.py)."""
+    return any(isinstance(m, AttnResSite) and m.grad_sink for m in model.modules())
 
 
 def _residual_add(partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:

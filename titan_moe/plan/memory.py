@@ -85,6 +85,7 @@ from titan_moe.model import router as router_module
 from titan_moe.model import situ_glu as situ_glu_module
 from titan_moe.model.args import ConfigError, TitanMoEArgs, model_args
 from titan_moe.model.attn_res import AttnResSite
+from titan_moe.model.attn_res_sink import sink_block
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.model.norm import RMSNorm
 from titan_moe.ops.attn_res import attn_res_mix_triton
@@ -319,6 +320,17 @@ def _key_segment_attention(q, q_doc, kv_doc, inputs, weights, projection, option
     return _SavesForBackward.apply(out, q, out, lse)
 
 
+def _sinked_mix(sources, query, gain, eps, out_dtype):
+    """A site with gradient sinks (model/attn_res_sink.py): its backward returns the gradients
+    of its sources without a sink only (the last partial sum); the blocks' parts are added into
+    their sinks, which are the blocks' running gradients, counted with the loss phase's."""
+    dim = sources[0].shape[-1]
+    returned = tuple(v.dtype for v in sources if getattr(v, "attn_res_sink", None) is None)
+    _op_workspaces.append(attn_res_backward_workspace(
+        sources[0].numel() // dim, dim, returned, out_dtype))
+    return attn_res_mix_triton(sources, query, gain, eps, out_dtype)
+
+
 def _attn_res_mix(sources, query, gain, eps, out_dtype=None):
     """The AttnRes op itself; its backward's workspace (the n source gradients it returns
     together) counted."""
@@ -374,6 +386,7 @@ def _cuda_kernel_stand_ins() -> Iterator[None]:
         mock.patch.object(situ_glu_module, "situ_glu", _situ_glu),
         mock.patch.object(router_module, "qb_route", _qb_route),
         mock.patch.object(attn_res_module, "ops_attn_res_mix", _attn_res_mix),
+        mock.patch.object(attn_res_module, "sinked_mix", _sinked_mix),
         mock.patch.object(RMSNorm, "forward", _rms_norm),
         # torch.autocast has no meta device; the model only uses it to switch AMP off.
         mock.patch.object(torch, "autocast", lambda *a, **k: contextlib.nullcontext()),
@@ -410,6 +423,8 @@ def layer_activation_bytes(args: TitanMoEArgs, layer_id: int, batch: int, seq_le
         layer = _bf16_with_fp32_islands(DecoderLayer(layer_id, args))
     # Entering layer i: the embedding, every finished block and the partial sum.
     sources = _sources(args, boundary_tensors(args.attn_res_block_size, layer_id), batch, seq_len)
+    if args.attn_res_grad_sink:  # the finished blocks came through sink_block
+        sources = [sink_block(v) for v in sources[:-1]] + sources[-1:]
     params = list(layer.parameters())
     with _cuda_kernel_stand_ins():
         saved = saved_bytes(lambda: layer(sources[:-1], sources[-1], None), params + sources)
