@@ -33,6 +33,7 @@ under CP it reads about 1/cp of the largest slab mean; `global_avg_loss` is exac
 """
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -472,8 +473,27 @@ def run(job_config: JobConfig) -> None:
         # Every rank reaches teardown before any destroys the group. Rank 1, which finishes
         # first (rank 0 still writes logs and files), was seen dying in gloo teardown (SIGSEGV,
         # std::terminate) in 2 of about 10 CPU test runs.
+        # Several gloo ranks (torchrun's processes; a one-process run returns to its caller).
+        gloo_peers = (torch.distributed.get_backend() == "gloo"
+                      and torch.distributed.get_world_size() > 1)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        if gloo_peers:
+            _exit_past_gloo_threads()
+
+
+def _exit_past_gloo_threads() -> None:
+    """Leave a finished gloo rank without Python's interpreter shutdown. A gloo worker thread
+    still releasing its last work's tensors after the group is destroyed asks for the GIL during
+    shutdown, and Python kills it through a C++ destructor that aborts ("terminate called
+    without an active exception": caught under gdb in a 2-rank script, 2026-12-06; a plain exit
+    crashed 4 of 50 pairs there, this one none). A CPU PP test's trainer rank died so on
+    2026-12-06 after its run had finished. Everything is written by now: the checkpointer and
+    the metrics (TensorBoard) are closed, the logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _single_process_env() -> None:
