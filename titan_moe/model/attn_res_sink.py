@@ -23,7 +23,12 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.attn_res import attn_res_mix_naive, uses_triton
-from titan_moe.ops.attn_res.attn_res_triton import attn_res_bwd_into, attn_res_fwd
+from titan_moe.ops.attn_res.attn_res_triton import (
+    attn_res_bwd_into,
+    attn_res_fwd,
+    fused_query,
+    query_gain_grads,
+)
 from titan_moe.ops.attn_res.naive import validate_attn_res_inputs
 
 
@@ -91,10 +96,9 @@ class _SinkedMix(torch.autograd.Function):
                 grad, add = (torch.empty_like(v), False) if sink is None else sink.buffer(v)
                 grads.append(grad)
                 accumulate.append(add)
-            u = (gain * query).float().contiguous()
-            du = attn_res_bwd_into(sources, stats, u, grad_out, grads, accumulate)
-            d_query = (du * gain.float()).to(query.dtype)
-            d_gain = (du * query.float()).to(gain.dtype)
+            du = attn_res_bwd_into(sources, stats, fused_query(query, gain), grad_out, grads,
+                                   accumulate)
+            d_query, d_gain = query_gain_grads(du, query, gain)
         else:
             *sources, query, gain = ctx.saved_tensors
             with torch.enable_grad():

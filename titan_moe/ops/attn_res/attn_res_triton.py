@@ -243,6 +243,17 @@ def validate_triton_inputs(sources: list[Tensor], query: Tensor, gain: Tensor) -
                              f"is {v.dtype}")
 
 
+def fused_query(query: Tensor, gain: Tensor) -> Tensor:
+    """u = gain ⊙ query in fp32, contiguous, as the kernels read it (rounded as the reference
+    rounds it)."""
+    return (gain * query).float().contiguous()
+
+
+def query_gain_grads(du: Tensor, query: Tensor, gain: Tensor) -> tuple[Tensor, Tensor]:
+    """(d_query, d_gain) in their own dtypes, from du, the gradient of u = gain ⊙ query."""
+    return (du * gain.float()).to(query.dtype), (du * query.float()).to(gain.dtype)
+
+
 @triton_op("titan_moe::attn_res_fwd", mutates_args=())
 def attn_res_fwd(
     sources: list[Tensor], query: Tensor, gain: Tensor, eps: float, out_dtype: torch.dtype
@@ -256,7 +267,7 @@ def attn_res_fwd(
     n, dim = len(sources), int(sources[0].shape[-1])  # d is a kernel constant: specialised
     n_rows = sources[0].numel() // dim
     device = sources[0].device
-    u = (gain * query).float().contiguous()  # rounded as the reference rounds it
+    u = fused_query(query, gain)
     out = torch.empty(sources[0].shape, device=device, dtype=out_dtype)
     stats = torch.empty(3, n, n_rows, device=device, dtype=torch.float32)
     block_rows, block_d, num_warps = _blocks(dim, FWD_ROW_ELEMENTS // n)
@@ -317,11 +328,8 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out: Tensor, _grad_stats: Tensor | None):
     *sources, stats, query, gain = ctx.saved_tensors
     sources = [v.contiguous() for v in sources]
-    u = (gain * query).float().contiguous()
-    *grads, du = attn_res_bwd(sources, stats, u, grad_out.contiguous())
-    d_query = (du * gain.float()).to(query.dtype)
-    d_gain = (du * query.float()).to(gain.dtype)
-    return grads, d_query, d_gain, None, None
+    *grads, du = attn_res_bwd(sources, stats, fused_query(query, gain), grad_out.contiguous())
+    return grads, *query_gain_grads(du, query, gain), None, None
 
 
 attn_res_fwd.register_autograd(_backward, setup_context=_setup_context)
