@@ -11,7 +11,6 @@ it: each rank backpropagates sum(CE) / global tokens (the trainer's chunked loss
 import math
 import os
 import socket
-import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from titan_moe.train.config import job_config_class
 from titan_moe.train.optimizer import all_reduce_qb_stats
 from titan_moe.train.platform import use_platform
 from titan_moe.train.step_guard import FiniteStepGuard
+from titan_moe.train.trainer import exit_past_gloo_threads
 
 _torchtitan_clip_grad_norm_ = tt_dist_utils.clip_grad_norm_
 
@@ -211,18 +211,14 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
 
 def end_rank() -> None:
     """A spawned gloo rank's last call, once its work passed: a barrier (no rank tears gloo down
-    while its peer still works, as titan_moe.train.trainer.run), the group destroyed, and the
-    process left without Python's interpreter shutdown. A gloo worker thread that is still
-    releasing its last work's tensors then asks for the GIL, and Python kills such a thread
-    through a C++ destructor that aborts ("terminate called without an active exception", caught
-    under gdb in a 2-rank gloo script, 2026-12-06); CPU CI saw these tests' ranks die at that
-    point with SIGABRT (`malloc(): unaligned tcache chunk detected`) and SIGSEGV. A failing rank
-    raises before this, and spawn reports it."""
+    while its peer still works), the group destroyed, and the process left without Python's
+    interpreter shutdown, as titan_moe.train.trainer.run ends a gloo rank
+    (`exit_past_gloo_threads` says why; CPU CI saw these tests' ranks die at that point with
+    SIGABRT, `malloc(): unaligned tcache chunk detected`, and SIGSEGV). A failing rank raises
+    before this, and spawn reports it."""
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_past_gloo_threads()
 
 
 def spawn_layouts(world_size: int, layouts: list[Layout], out: str,

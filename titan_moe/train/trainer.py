@@ -479,17 +479,17 @@ def run(job_config: JobConfig) -> None:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         if gloo_peers:
-            _exit_past_gloo_threads()
+            exit_past_gloo_threads()
 
 
-def _exit_past_gloo_threads() -> None:
+def exit_past_gloo_threads() -> None:
     """Leave a finished gloo rank without Python's interpreter shutdown. A gloo worker thread
     still releasing its last work's tensors after the group is destroyed asks for the GIL during
     shutdown, and Python kills it through a C++ destructor that aborts ("terminate called
     without an active exception": caught under gdb in a 2-rank script, 2026-12-06; a plain exit
     crashed 4 of 50 pairs there, this one none). A CPU PP test's trainer rank died so on
-    2026-12-06 after its run had finished. Everything is written by now: the checkpointer and
-    the metrics (TensorBoard) are closed, the logs are flushed here."""
+    2026-12-06 after its run had finished. Call it once everything is written: here the
+    checkpointer and the metrics (TensorBoard) are closed, and the logs are flushed below."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
