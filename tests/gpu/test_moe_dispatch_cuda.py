@@ -17,6 +17,7 @@ import torch
 import titan_moe.model.moe as moe_module
 from tests.ops.test_moe_dispatch import (
     compare_layout,
+    compare_out_dtype,
     compare_with_reference,
     layout_pairs,
     make_inputs,
@@ -57,6 +58,14 @@ def test_ops_match_float64_reference_at_proxy_shape():
         assert report[key] <= bound, (key, report[key], bound)
 
 
+def test_combine_in_bf16_is_the_fp32_combine_rounded_on_cuda():
+    """The layer's combine writes u in bf16: bit for bit the fp32 combine rounded to nearest,
+    and its gradients from the bf16 du exactly those of the fp32 combine from du widened."""
+    report = compare_out_dtype(moe_combine, proxy_inputs())
+    assert report == {"u_dtype": "torch.bfloat16", "u_equal": True,
+                      "u_rounded_or_truncated": True, "grads_equal": [True, True]}, report
+
+
 def test_opcheck_on_cuda():
     """Schema, autograd registration, fake implementation and AOT tracing with static shapes
     (the model's widths are constants: the kernels take the width as a constexpr)."""
@@ -65,7 +74,9 @@ def test_opcheck_on_cuda():
              "test_aot_dispatch_static")
     for op, args in ((moe_dispatch_triton, (z.requires_grad_(), dest, src, 8)),
                      (moe_combine_triton, (expert_out.nan_to_num().requires_grad_(), dest, src,
-                                           weights.requires_grad_()))):
+                                           weights.requires_grad_())),
+                     (moe_combine_triton, (expert_out.nan_to_num().requires_grad_(), dest, src,
+                                           weights.requires_grad_(), torch.bfloat16))):
         report = torch.library.opcheck(op, args, test_utils=tests)
         assert set(report.values()) == {"SUCCESS"}, report
 

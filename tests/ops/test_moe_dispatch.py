@@ -11,7 +11,10 @@ on the op's inputs (already rounded to their dtypes) and the same output gradien
                               element, truncated by the interpreter (about 3.1e-3 relative RMS,
                               see test_short_conv.py), bound BF16_RTOL = 5e-3.
 dexpert_out must also be exactly zero on every row no pair takes (the grouped GEMMs' weight
-gradients read the padding rows).
+gradients read the padding rows). The combine in out_dtype bf16 must be the fp32 combine
+rounded once (to nearest on CUDA, bit for bit; the interpreter may truncate instead), and with
+the bf16 gradient give exactly the gradients of the fp32 combine given that gradient widened
+(the layer's u.to(bf16) that it replaces).
 """
 
 import json
@@ -41,6 +44,8 @@ CASES = {
     "k8-d64-align8": (6, 8, 10, 8, 64, torch.float32),
     "bf16-k3-d40-align8": (9, 3, 4, 8, 40, torch.bfloat16),
 }
+# the combine in out_dtype bf16: bf16 rows, and fp32 rows over two column blocks
+OUT_DTYPE_CASES = ("bf16-k3-d40-align8", "k2-d1100-align8")
 # name -> (pairs, experts, group alignment, how the experts are drawn): three programs of
 # positions at 2,500 pairs; E not a power of two; empty groups; every pair on one expert.
 LAYOUT_CASES = {
@@ -114,6 +119,33 @@ def run_case(n_tokens, top_k, n_experts, align, width, dtype) -> dict:
                                   make_inputs(n_tokens, top_k, n_experts, align, width, dtype))
 
 
+def compare_out_dtype(combine, tensors) -> dict:
+    """combine(..., out_dtype=bf16) against combine in fp32 then rounded (u_equal: to nearest;
+    u_rounded_or_truncated: each element either that or the fp32 value truncated), and both
+    gradients bit for bit (any device)."""
+    _, expert_out, weights, dest, src, du, _ = tensors
+    expert_out = expert_out.nan_to_num()
+    du = du.to(torch.bfloat16)
+    e32, w32 = expert_out.clone().requires_grad_(), weights.clone().requires_grad_()
+    u32 = combine(e32, dest, src, w32)
+    want = torch.autograd.grad(u32, (e32, w32), du.float())
+    e16, w16 = expert_out.clone().requires_grad_(), weights.clone().requires_grad_()
+    u16 = combine(e16, dest, src, w16, torch.bfloat16)
+    got = torch.autograd.grad(u16, (e16, w16), du)
+    nearest = u32.detach().to(torch.bfloat16)
+    truncated = (u32.detach().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    return {"u_dtype": str(u16.dtype), "u_equal": bool(torch.equal(u16, nearest)),
+            "u_rounded_or_truncated": bool(((u16 == nearest) | (u16 == truncated)).all()),
+            "grads_equal": [bool(torch.equal(g, w)) for g, w in zip(got, want, strict=True)]}
+
+
+def run_out_dtype_case(n_tokens, top_k, n_experts, align, width, dtype) -> dict:
+    from titan_moe.ops.moe_dispatch import moe_combine_triton
+
+    return compare_out_dtype(moe_combine_triton,
+                             make_inputs(n_tokens, top_k, n_experts, align, width, dtype))
+
+
 def layout_pairs(n_pairs: int, n_experts: int, draw: str, seed: int = 0) -> torch.Tensor:
     """Each pair's expert, int64: uniform with expert 2 left empty ("random"), or all 3."""
     gen = torch.Generator().manual_seed(seed)
@@ -159,6 +191,9 @@ def run_opcheck() -> dict:
         "combine": torch.library.opcheck(moe_combine_triton, (expert_out.requires_grad_(), dest,
                                                               src, weights.requires_grad_()),
                                          test_utils=both),
+        "combine_bf16": torch.library.opcheck(moe_combine_triton,
+                                              (expert_out, dest, src, weights, torch.bfloat16),
+                                              test_utils=both),
         "dispatch_bwd": torch.library.opcheck(moe_dispatch_bwd_triton, (dgrouped, dest, 5, 2),
                                               test_utils=schema),
         "combine_bwd": torch.library.opcheck(moe_combine_bwd_triton,
@@ -192,6 +227,23 @@ def test_layout_op_equals_reference_under_interpreter(results, name):
     report = results[name]
     assert "error" not in report, report["error"]
     assert report == {"dest": True, "src": True, "offs": True}, report
+
+
+@pytest.mark.parametrize("name", OUT_DTYPE_CASES)
+def test_combine_in_bf16_is_the_fp32_combine_rounded_under_interpreter(results, name):
+    report = results[f"out-dtype-{name}"]
+    assert "error" not in report, report["error"]
+    report.pop("u_equal")  # the interpreter truncates where CUDA rounds to nearest
+    assert report == {"u_dtype": "torch.bfloat16", "u_rounded_or_truncated": True,
+                      "grads_equal": [True, True]}, report
+
+
+def test_reference_combine_in_bf16_is_the_fp32_combine_rounded():
+    report = compare_out_dtype(
+        lambda e, d, s, w, out_dtype=None: moe_combine_naive(e, d, w, out_dtype),
+        make_inputs(*CASES["bf16-k3-d40-align8"]))
+    assert report == {"u_dtype": "torch.bfloat16", "u_equal": True,
+                      "u_rounded_or_truncated": True, "grads_equal": [True, True]}, report
 
 
 def test_opcheck_schema_and_autograd(results):
@@ -278,5 +330,7 @@ def test_bad_inputs_name_the_field(z_shape, dest_len, src_shape, w_shape, field)
 
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    reports.update({f"out-dtype-{name}": guarded(run_out_dtype_case, *CASES[name])
+                    for name in OUT_DTYPE_CASES})
     reports.update({name: guarded(run_layout_case, *case) for name, case in LAYOUT_CASES.items()})
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

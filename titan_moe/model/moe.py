@@ -123,8 +123,8 @@ class LatentMoE(nn.Module):
         z = self.w_down(x)
         dest, src, offs = dispatch_layout(expert_ids.reshape(-1), self.n_experts, self.group_align)
         expert_out = self.experts(moe_dispatch(z, dest, src, self.top_k), offs)
-        u = moe_combine(expert_out, dest, src, weights)
-        y = self.w_up(self.norm(u.to(x.dtype)))
+        u = moe_combine(expert_out, dest, src, weights, out_dtype=x.dtype)
+        y = self.w_up(self.norm(u))
         if self.shared is not None:
             y = y + self.shared(x)
         return y

@@ -11,6 +11,7 @@ ops, elsewhere the reference. The branch is on the device, in Python, before any
 Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
+import torch
 from torch import Tensor
 
 from titan_moe.ops.moe_dispatch.layout_triton import dispatch_layout_rows_triton
@@ -60,11 +61,16 @@ def moe_dispatch(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:
     return moe_dispatch_naive(z, dest, src.shape[0], top_k)
 
 
-def moe_combine(expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor) -> Tensor:
+def moe_combine(
+    expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
     """expert_out [R, d], dest [N·k], src [R] (as in `moe_dispatch`), weights [N, k] -> u [N, d]
-    = Σ_j weights[t, j] expert_out[dest[t·k + j]], in the promoted dtype of expert_out and
-    weights. Rows no pair takes are never read; their gradient is zero."""
+    = Σ_j weights[t, j] expert_out[dest[t·k + j]], summed in the promoted dtype of expert_out
+    and weights, returned in out_dtype (default: that promoted dtype). Rows no pair takes are
+    never read; their gradient is zero. The Triton op rounds to out_dtype as it writes, and its
+    backward reads the gradient in out_dtype: no wider copy of u or of its gradient is made."""
     validate_moe_dispatch_inputs(expert_out, dest, src, *combine_shape(weights))
     if expert_out.is_cuda:
-        return moe_combine_triton(expert_out, dest, src, weights)
-    return moe_combine_naive(expert_out, dest, weights)
+        return moe_combine_triton(expert_out, dest, src, weights, out_dtype)
+    return moe_combine_naive(expert_out, dest, weights, out_dtype)

@@ -186,13 +186,17 @@ def moe_dispatch_bwd_triton(dgrouped: Tensor, dest: Tensor, n_tokens: int, top_k
 
 
 @triton_op("titan_moe::moe_combine", mutates_args=())
-def moe_combine_triton(expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor) -> Tensor:
+def moe_combine_triton(
+    expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
     """`naive.moe_combine_naive` in one kernel: expert_out [R, d], dest [N·k], src [R],
-    weights [N, k] -> u [N, d] in the promoted dtype of expert_out and weights."""
+    weights [N, k] -> u [N, d] in out_dtype (default: the promoted dtype of expert_out and
+    weights), summed in fp32 and rounded once as it is written."""
     n_tokens, top_k = combine_shape(weights)
     validate_moe_dispatch_inputs(expert_out, dest, src, n_tokens, top_k)
     expert_out, dest, weights = expert_out.contiguous(), dest.contiguous(), weights.contiguous()
-    dtype = torch.promote_types(expert_out.dtype, weights.dtype)
+    dtype = out_dtype or torch.promote_types(expert_out.dtype, weights.dtype)
     return _gather_sum(expert_out, dest, weights, n_tokens, top_k, dtype)
 
 
@@ -230,14 +234,14 @@ def _dispatch_backward(ctx, dgrouped: Tensor):
 
 
 def _combine_setup_context(ctx, inputs, output) -> None:
-    expert_out, dest, src, weights = inputs
+    expert_out, dest, src, weights, _ = inputs
     ctx.save_for_backward(expert_out, dest, src, weights)
 
 
 def _combine_backward(ctx, du: Tensor):
     expert_out, dest, src, weights = ctx.saved_tensors
     drows, dweights = moe_combine_bwd_triton(du, expert_out, dest, src, weights)
-    return drows, None, None, dweights
+    return drows, None, None, dweights, None
 
 
 moe_dispatch_triton.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)

@@ -34,13 +34,17 @@ def moe_dispatch_naive(z: Tensor, dest: Tensor, n_rows: int, top_k: int) -> Tens
     return z.new_zeros(n_rows, z.shape[1]).index_copy(0, dest, pairs)
 
 
-def moe_combine_naive(expert_out: Tensor, dest: Tensor, weights: Tensor) -> Tensor:
-    """expert_out [R, d], dest [N·k] int64 distinct rows, weights [N, k] -> u [N, d] in the
-    promoted dtype of expert_out and weights (fp32 for bf16 rows and fp32 weights)."""
+def moe_combine_naive(
+    expert_out: Tensor, dest: Tensor, weights: Tensor, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """expert_out [R, d], dest [N·k] int64 distinct rows, weights [N, k] -> u [N, d], summed in
+    the promoted dtype of expert_out and weights (fp32 for bf16 rows and fp32 weights) and
+    returned in out_dtype (default: that promoted dtype)."""
     n_tokens, top_k = weights.shape
     pair_out = gather_distinct_rows(expert_out, dest).view(n_tokens, top_k, -1)
     dtype = torch.promote_types(expert_out.dtype, weights.dtype)
-    return (pair_out.to(dtype) * weights.unsqueeze(-1).to(dtype)).sum(1)
+    u = (pair_out.to(dtype) * weights.unsqueeze(-1).to(dtype)).sum(1)
+    return u if out_dtype is None else u.to(out_dtype)
 
 
 def round_up(n, multiple: int):
