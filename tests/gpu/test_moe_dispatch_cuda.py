@@ -121,7 +121,8 @@ def test_layer_with_the_ops_matches_the_reference_path(monkeypatch):
     monkeypatch.setattr(moe_module, "moe_dispatch",
                         lambda z, dest, src, k: moe_dispatch_naive(z, dest, src.numel(), k))
     monkeypatch.setattr(moe_module, "moe_combine",
-                        lambda rows, dest, src, w: moe_combine_naive(rows, dest, w))
+                        lambda rows, dest, src, w, out_dtype=None:
+                        moe_combine_naive(rows, dest, w, out_dtype))
     want = _layer_run(moe, x)
     for i, (got, ref) in enumerate(zip(ours, want, strict=True)):
         assert torch.isfinite(got).all(), i
