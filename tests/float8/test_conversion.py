@@ -17,22 +17,22 @@ from titan_moe.model.args import ConfigError
 from titan_moe.train.config import Float8
 
 KDA = ["w_q", "w_k", "w_v", "w_g", "w_o"]
-SITU = ["w1", "w3", "w2"]
-# filter_min_size = 64: the 64x64 KDA projections and the 64<->128 dense FFN; the gate (16), beta
-# (2), latent (32), shared (32) and every MLA projection (<= 32 on one side) stay; output skipped.
+SITU = ["w13", "w2"]
+# filter_min_size = 64: the 64x64 KDA projections, the 64<->128 dense FFN and the shared experts'
+# w13 (64 -> 2·32); the gate (16), beta (2), latent (32), the shared w2 (32 -> 64) and every MLA
+# projection (<= 32 on one side) stay; output skipped.
 AT_64 = sorted(
     [f"layers.0.mixer.{n}" for n in KDA] + [f"layers.0.ffn.{n}" for n in SITU]
     + [f"layers.1.mixer.{n}" for n in KDA]
+    + ["layers.1.ffn.shared.w13", "layers.2.ffn.shared.w13"]
 )
 # filter_min_size = 32 adds the latent/shared projections and the MLA ones with both dims >= 32.
 AT_32 = sorted(
     AT_64
-    + ["layers.1.ffn.w_down", "layers.1.ffn.w_up"]
-    + [f"layers.1.ffn.shared.{n}" for n in SITU]
+    + ["layers.1.ffn.w_down", "layers.1.ffn.w_up", "layers.1.ffn.shared.w2"]
     + ["layers.2.mixer.w_qa", "layers.2.mixer.w_qb", "layers.2.mixer.w_kva",
        "layers.2.mixer.w_g", "layers.2.mixer.w_o"]
-    + ["layers.2.ffn.w_down", "layers.2.ffn.w_up"]
-    + [f"layers.2.ffn.shared.{n}" for n in SITU]
+    + ["layers.2.ffn.w_down", "layers.2.ffn.w_up", "layers.2.ffn.shared.w2"]
 )
 
 
@@ -82,14 +82,14 @@ def test_routed_experts_convert_to_float8_grouped_gemm_weights():
     assert names == ["layers.1.ffn.experts", "layers.2.ffn.experts"]
     wrapped = sorted(n for n, p in model.named_parameters()
                      if isinstance(p.data, Float8TrainingWeightWrapperTensor))
-    assert wrapped == [f"layers.{i}.ffn.experts.{w}" for i in (1, 2) for w in ("w1", "w2", "w3")]
+    assert wrapped == [f"layers.{i}.ffn.experts.{w}" for i in (1, 2) for w in ("w13", "w2")]
     # Our dispatch pads the groups to the float8 kernel's 16 rows; torchao 0.18 cannot pad them.
     assert not any(p.data.config.pad_token_groups_for_grouped_mm
                    for p in model.layers["1"].ffn.experts.parameters())
     assert model.layers["1"].ffn.group_align == 16
     # The CPU grouped GEMM is the exact per-expert fallback: the model still trains.
     model(global_batch(128)[0][:1, :-1]).float().mean().backward()
-    assert model.layers["1"].ffn.experts.w1.grad is not None
+    assert model.layers["1"].ffn.experts.w13.grad is not None
 
 
 def test_hardware_errors_name_the_field():

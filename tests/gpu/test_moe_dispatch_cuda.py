@@ -110,7 +110,7 @@ def _proxy_moe() -> tuple[LatentMoE, torch.Tensor]:
 def _layer_run(moe, x, module=None):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = (moe if module is None else module)(x)
-    params = [x, moe.w_down.weight, moe.experts.w1, moe.experts.w2, moe.router.weight,
+    params = [x, moe.w_down.weight, moe.experts.w13, moe.experts.w2, moe.router.weight,
               moe.w_up.weight]
     return [y, *torch.autograd.grad(y.float().square().mean(), params)]
 

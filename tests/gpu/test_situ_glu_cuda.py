@@ -1,13 +1,22 @@
-"""The SiTU-GLU Triton op on CUDA against the float64 reference, its fake shapes, and the
-dispatch: eager CUDA calls take the op, graphs being compiled the reference's ops (which
-compile_passes/situ_glu_fusion.py fuses). Bound: one bf16 rounding an output (round to nearest,
-about 1.6e-3 relative RMS), BF16_RTOL as in the interpreter test."""
+"""The SiTU-GLU Triton ops (separate and packed, ab = [a | b]) on CUDA against the float64
+reference, their fake shapes, and the dispatch: eager CUDA calls take the op, graphs being
+compiled the reference's ops (which compile_passes/situ_glu_fusion.py fuses). Bound: one bf16
+rounding an output (round to nearest, about 1.6e-3 relative RMS), BF16_RTOL as in the
+interpreter test."""
 
 import pytest
 import torch
 from torch._dynamo.testing import EagerAndRecordGraphs
 
-from titan_moe.ops.situ_glu import situ_glu, situ_glu_bwd_triton, situ_glu_naive, situ_glu_triton
+from titan_moe.ops.situ_glu import (
+    situ_glu,
+    situ_glu_bwd_triton,
+    situ_glu_naive,
+    situ_glu_packed,
+    situ_glu_packed_bwd_triton,
+    situ_glu_packed_triton,
+    situ_glu_triton,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,11 +49,33 @@ def test_bf16_op_matches_float64(scale):
     assert max(errors) <= BF16_RTOL, errors
 
 
+@pytest.mark.parametrize("scale", [3.0, 40.0], ids=["moderate", "saturating"])
+def test_bf16_packed_op_matches_float64(scale):
+    """The experts' layout: ab [rows, 2·256] from one GEMM, ∂ab written as one tensor."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, hidden = 16384 * 4 + 3, 256
+    ab = (torch.randn(rows, 2 * hidden, device="cuda", generator=gen) * scale).bfloat16()
+    dh = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    ab64 = ab.double().requires_grad_()
+    want = situ_glu_naive(ab64[:, :hidden], ab64[:, hidden:], BETA1, BETA2)
+    (want_dab,) = torch.autograd.grad(want, ab64, dh.double())
+    ours = ab.clone().requires_grad_()
+    h = situ_glu_packed(ours, BETA1, BETA2)
+    (dab,) = torch.autograd.grad(h, ours, dh)
+    assert (h.dtype, dab.dtype, dab.shape) == (torch.bfloat16, torch.bfloat16, ab.shape)
+    errors = [rel_rms(h, want), rel_rms(dab[:, :hidden], want_dab[:, :hidden]),
+              rel_rms(dab[:, hidden:], want_dab[:, hidden:])]
+    assert max(errors) <= BF16_RTOL, errors
+
+
 def test_opcheck_fake_tensor_and_autograd():
     gen = torch.Generator(device="cuda").manual_seed(1)
     a, b, dh = (torch.randn(64, 96, device="cuda", generator=gen).bfloat16() for _ in range(3))
     torch.library.opcheck(situ_glu_triton, (a.requires_grad_(), b.requires_grad_(), BETA1, BETA2))
     torch.library.opcheck(situ_glu_bwd_triton, (dh, a.detach(), b.detach(), BETA1, BETA2))
+    ab = torch.cat([a.detach(), b.detach()], dim=-1)
+    torch.library.opcheck(situ_glu_packed_triton, (ab.requires_grad_(), BETA1, BETA2))
+    torch.library.opcheck(situ_glu_packed_bwd_triton, (dh, ab.detach(), BETA1, BETA2))
 
 
 def test_compiled_graphs_take_the_reference_and_eager_takes_the_op():

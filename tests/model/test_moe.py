@@ -86,14 +86,16 @@ def _naive_latent_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
         z = moe.w_down.weight @ x_t
         u = torch.zeros_like(z)
         for e in chosen:
-            h = _situ_glu_formula(experts.w1[e] @ z, experts.w3[e] @ z)
+            w1, w3 = experts.w13[e].chunk(2)  # w13 = [W1; W3]
+            h = _situ_glu_formula(w1 @ z, w3 @ z)
             p_e = s[e] / sum(s[j] for j in chosen) * router.route_scale
             u = u + p_e * (experts.w2[e] @ h)
         normed = u / torch.sqrt(u.square().mean() + moe.norm.eps) * moe.norm.weight
         y = moe.w_up.weight @ normed
         if moe.shared is not None:
             shared = moe.shared
-            h = _situ_glu_formula(shared.w1.weight @ x_t, shared.w3.weight @ x_t)
+            w1, w3 = shared.w13.weight.chunk(2)
+            h = _situ_glu_formula(w1 @ x_t, w3 @ x_t)
             y = y + shared.w2.weight @ h
         rows.append(y)
     return torch.stack(rows).view_as(x)
@@ -189,11 +191,8 @@ def test_init_weights_initialises_every_expert():
         p.data.fill_(float("nan"))
     moe.router.expert_bias.fill_(1.0)
     moe.init_weights(init_std, out_init_std)
-    for w, std in (
-        (moe.experts.w1, init_std),
-        (moe.experts.w3, init_std),
-        (moe.experts.w2, out_init_std),
-    ):
+    w1, w3 = moe.experts.w13.chunk(2, dim=1)
+    for w, std in ((w1, init_std), (w3, init_std), (moe.experts.w2, out_init_std)):
         for e in range(8):
             expert = w[e]
             assert torch.isfinite(expert).all()

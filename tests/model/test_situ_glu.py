@@ -71,8 +71,9 @@ def test_module_matches_manual_and_gradchecks():
     block = SiTUGLU(dim=6, hidden_dim=10).double()
     block.init_weights(init_std=0.5, out_init_std=0.25)
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-    a = x.detach().numpy() @ block.w1.weight.detach().numpy().T
-    b = x.detach().numpy() @ block.w3.weight.detach().numpy().T
+    w1, w3 = block.w13.weight.detach().chunk(2)  # w13 = [W1; W3]
+    a = x.detach().numpy() @ w1.numpy().T
+    b = x.detach().numpy() @ w3.numpy().T
     expected = _situ_glu_numpy(a, b) @ block.w2.weight.detach().numpy().T
     np.testing.assert_allclose(block(x).detach().numpy(), expected, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(block, (x,))
@@ -83,6 +84,7 @@ def test_init_weights_stds():
     block = SiTUGLU(dim=256, hidden_dim=512)
     block.init_weights(init_std=0.02, out_init_std=0.005)
     # Truncation at ±3σ shrinks the std by ~1.3%; 5% covers that and sampling noise.
-    for w, std in ((block.w1, 0.02), (block.w3, 0.02), (block.w2, 0.005)):
-        assert math.isclose(w.weight.std().item(), std, rel_tol=0.05)
-        assert w.weight.abs().max().item() <= 3 * std
+    w1, w3 = block.w13.weight.chunk(2)
+    for w, std in ((w1, 0.02), (w3, 0.02), (block.w2.weight, 0.005)):
+        assert math.isclose(w.std().item(), std, rel_tol=0.05)
+        assert w.abs().max().item() <= 3 * std

@@ -1,6 +1,7 @@
-"""The SiTU-GLU Triton op (run by Triton's CPU interpreter in a child process, see
-tests/ops/interpreter.py) against the PyTorch reference in float64 on the op's own inputs
-(tests/model/test_situ_glu.py checks the reference against the formula in NumPy).
+"""The SiTU-GLU Triton ops, separate and packed (ab = [a | b]), run by Triton's CPU interpreter
+in a child process (see tests/ops/interpreter.py), against the PyTorch reference in float64 on
+the op's own inputs (tests/model/test_situ_glu.py checks the reference against the formula in
+NumPy).
 
 h, ∂a and ∂b as relative RMS error ||got − want|| / ||want||. Bounds:
   fp32   FP32_RTOL: fp32 arithmetic; the interpreter's tanh comes from exp (no libdevice), which
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.ops.interpreter import guarded
-from titan_moe.ops.situ_glu import situ_glu_naive
+from titan_moe.ops.situ_glu import situ_glu_naive, situ_glu_packed_naive
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 5e-3
@@ -51,10 +52,41 @@ def run_case(shape, dtype, scale) -> dict:
             "dtypes_ok": (h.dtype, da.dtype, db.dtype) == (dtype,) * 3}
 
 
+# name -> (rows, hidden, dtype, input scale): the packed op reads a and b from ab's halves
+PACKED_CASES = {
+    "packed-fp32-7x300": (7, 300, torch.float32, 3.0),
+    "packed-bf16-saturating-33x96": (33, 96, torch.bfloat16, 40.0),
+}
+
+
+def run_packed_case(rows, hidden, dtype, scale) -> dict:
+    """The packed op against the float64 reference of the separate halves: h and ∂ab."""
+    from titan_moe.ops.situ_glu import situ_glu_packed_triton
+
+    gen = torch.Generator().manual_seed(2)
+    ab = (torch.randn(rows, 2 * hidden, generator=gen) * scale).to(dtype)
+    dh = torch.randn(rows, hidden, generator=gen).to(dtype)
+    ab64 = ab.double().requires_grad_()
+    want = situ_glu_naive(ab64[:, :hidden], ab64[:, hidden:], BETA1, BETA2)
+    (want_dab,) = torch.autograd.grad(want, ab64, dh.double())
+    ours = ab.clone().requires_grad_()
+    h = situ_glu_packed_triton(ours, BETA1, BETA2)
+    (dab,) = torch.autograd.grad(h, ours, dh)
+    return {"h": rel_rms(h, want), "da": rel_rms(dab[:, :hidden], want_dab[:, :hidden]),
+            "db": rel_rms(dab[:, hidden:], want_dab[:, hidden:]),
+            "shapes_ok": (tuple(h.shape), tuple(dab.shape)) == ((rows, hidden), (rows, 2 * hidden)),
+            "dtypes_ok": (h.dtype, dab.dtype) == (dtype,) * 2}
+
+
 def run_opcheck() -> dict:
     """torch.library.opcheck of both ops' schemas and the forward's autograd registration (the
     fake-tensor check runs on the GPU: under the interpreter Triton touches fake storage)."""
-    from titan_moe.ops.situ_glu import situ_glu_bwd_triton, situ_glu_triton
+    from titan_moe.ops.situ_glu import (
+        situ_glu_bwd_triton,
+        situ_glu_packed_bwd_triton,
+        situ_glu_packed_triton,
+        situ_glu_triton,
+    )
 
     gen = torch.Generator().manual_seed(1)
     a, b, dh = (torch.randn(4, 40, generator=gen) for _ in range(3))
@@ -64,6 +96,12 @@ def run_opcheck() -> dict:
         test_utils=tests).items()}
     report |= {f"bwd_{name}": str(outcome) for name, outcome in torch.library.opcheck(
         situ_glu_bwd_triton, (dh, a.detach(), b.detach(), BETA1, BETA2),
+        test_utils=("test_schema",)).items()}
+    ab = torch.cat([a.detach(), b.detach()], dim=-1)
+    report |= {f"packed_{name}": str(outcome) for name, outcome in torch.library.opcheck(
+        situ_glu_packed_triton, (ab.requires_grad_(), BETA1, BETA2), test_utils=tests).items()}
+    report |= {f"packed_bwd_{name}": str(outcome) for name, outcome in torch.library.opcheck(
+        situ_glu_packed_bwd_triton, (dh, ab.detach(), BETA1, BETA2),
         test_utils=("test_schema",)).items()}
     return report
 
@@ -75,6 +113,29 @@ def test_op_matches_float64_reference_under_interpreter(results, name):
     assert report["dtypes_ok"], report
     bound = BF16_RTOL if CASES[name][1] == torch.bfloat16 else FP32_RTOL
     assert max(report[k] for k in ("h", "da", "db")) <= bound, report
+
+
+@pytest.mark.parametrize("name", PACKED_CASES)
+def test_packed_op_matches_float64_reference_under_interpreter(results, name):
+    report = results[name]
+    assert "error" not in report, report["error"]
+    assert report["dtypes_ok"] and report["shapes_ok"], report
+    bound = BF16_RTOL if PACKED_CASES[name][2] == torch.bfloat16 else FP32_RTOL
+    assert max(report[k] for k in ("h", "da", "db")) <= bound, report
+
+
+def test_packed_reference_is_the_separate_reference_of_the_halves():
+    """Exact: the packed reference is the separate one applied to ab's two halves."""
+    ab = torch.randn(5, 2 * 24, dtype=torch.float64)
+    assert torch.equal(situ_glu_packed_naive(ab, BETA1, BETA2),
+                       situ_glu_naive(ab[:, :24], ab[:, 24:], BETA1, BETA2))
+
+
+def test_packed_input_of_odd_width_names_the_field():
+    from titan_moe.ops.situ_glu import situ_glu_packed
+
+    with pytest.raises(ValueError, match="ab must be"):
+        situ_glu_packed(torch.zeros(2, 5))
 
 
 def test_opcheck_schema_and_autograd(results):
@@ -94,4 +155,5 @@ def test_mismatched_inputs_name_the_fields():
 
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    reports |= {name: guarded(run_packed_case, *case) for name, case in PACKED_CASES.items()}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

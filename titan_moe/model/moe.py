@@ -29,10 +29,11 @@ from torch import nn
 
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.router import Router
-from titan_moe.model.situ_glu import SiTUGLU, situ_glu
+from titan_moe.model.situ_glu import SiTUGLU
 from titan_moe.model.token_chunks import checkpointed_chunks
 from titan_moe.ops.grouped_mm import grouped_mm
 from titan_moe.ops.moe_dispatch import dispatch_layout, moe_combine, moe_dispatch
+from titan_moe.ops.situ_glu import situ_glu_packed
 
 
 class GroupedExperts(nn.Module):
@@ -40,7 +41,12 @@ class GroupedExperts(nn.Module):
     takes each as its transpose [E, in, out], a column-major view. torchao's float8 grouped GEMM
     asserts that layout for its second operand ("B must be column-major": H100, torchao 0.18,
     2026-12-05), and torch._grouped_mm takes either (torchtitan's experts, stored this way, took
-    the same GEMM time as ours stored [E, in, out] in bench/moe.py on the H100)."""
+    the same GEMM time as ours stored [E, in, out] in bench/moe.py on the H100).
+
+    W1 and W3 are one weight, w13 [E, 2·hidden, dim] = [W1; W3] along the output dim: one grouped
+    GEMM writes a and b side by side (ab = [a | b]), SiTU-GLU reads them in place, and backward
+    takes z's gradient from [∂a | ∂b] in one GEMM, where two GEMMs' [rows, dim] outputs and
+    their sum (a pass over 3 such tensors) stood."""
 
     def __init__(
         self, n_experts: int, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0
@@ -48,8 +54,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.beta1 = beta1
         self.beta2 = beta2
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -59,13 +64,12 @@ class GroupedExperts(nn.Module):
         offs[-1] are not computed: their output, and the gradient of x there, are unspecified
         (uninitialised on the torch._grouped_mm path), so callers must not read them.
         """
-        a = grouped_mm(x, self.w1.mT, offs, zero_padding_rows=False)
-        b = grouped_mm(x, self.w3.mT, offs, zero_padding_rows=False)
-        h = situ_glu(a, b, self.beta1, self.beta2)
+        ab = grouped_mm(x, self.w13.mT, offs, zero_padding_rows=False)
+        h = situ_glu_packed(ab, self.beta1, self.beta2)
         return grouped_mm(h, self.w2.mT, offs, zero_padding_rows=False)
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
-        for w, std in ((self.w1, init_std), (self.w3, init_std), (self.w2, out_init_std)):
+        for w, std in ((self.w13, init_std), (self.w2, out_init_std)):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
 
 

@@ -18,14 +18,16 @@ import torch
 from torch import nn
 
 from titan_moe.model.token_chunks import checkpointed_chunks
-from titan_moe.ops.situ_glu import situ, situ_glu
+from titan_moe.ops.situ_glu import situ, situ_glu, situ_glu_packed
 
 __all__ = ["SiTUGLU", "situ", "situ_glu"]
 
 
 class SiTUGLU(nn.Module):
-    """A dense SiTU-GLU feed-forward block: w2(situ_glu(w1 x, w3 x)); with token_chunk > 0
-    by checkpointed chunks of that many flattened tokens."""
+    """A dense SiTU-GLU feed-forward block: w2(situ_glu(W1 x, W3 x)); with token_chunk > 0
+    by checkpointed chunks of that many flattened tokens. W1 and W3 are one Linear, w13 =
+    [W1; W3] (as the routed experts store them): one GEMM in, and x's gradient from one GEMM
+    over [∂a | ∂b]."""
 
     def __init__(self, dim: int, hidden_dim: int, beta1: float = 4.0, beta2: float = 25.0,
                  token_chunk: int = 0):
@@ -35,8 +37,7 @@ class SiTUGLU(nn.Module):
         self.token_chunk = token_chunk
         self.beta1 = beta1
         self.beta2 = beta2
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,11 +48,10 @@ class SiTUGLU(nn.Module):
         return y.view(x.shape)
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(situ_glu(self.w1(x), self.w3(x), self.beta1, self.beta2))
+        return self.w2(situ_glu_packed(self.w13(x), self.beta1, self.beta2))
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
-        nn.init.trunc_normal_(self.w3.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(self.w13.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
         nn.init.trunc_normal_(
             self.w2.weight, std=out_init_std, a=-3 * out_init_std, b=3 * out_init_std
         )

@@ -108,7 +108,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[Grouped
     ep = ep_mesh.size()
     experts_modules = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for experts in experts_modules:
-        n_experts = experts.w1.shape[0]
+        n_experts = experts.w13.shape[0]
         if n_experts % ep:
             raise ValueError(
                 f"parallelism.expert_parallel_degree = {ep} must divide n_experts = {n_experts}"

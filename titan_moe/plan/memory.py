@@ -357,8 +357,8 @@ def _qb_route(logits, bias, top_k, route_scale=1.0, n_bins=1000, valid=None,
 
 # Inductor fuses an elementwise chain into one kernel and its partitioner saves the chain's
 # inputs, recomputing the fp32 intermediates that eager autograd would save.
-def _situ_glu(a, b, beta1=4.0, beta2=25.0):
-    return _SavesForBackward.apply(a, a, b)
+def _situ_glu_packed(ab, beta1=4.0, beta2=25.0):
+    return _SavesForBackward.apply(ab[..., : ab.shape[-1] // 2], ab)
 
 
 def _rms_norm(self, x):
@@ -382,8 +382,8 @@ def _cuda_kernel_stand_ins() -> Iterator[None]:
         mock.patch.object(moe_module, "grouped_mm", _grouped_gemm),
         mock.patch.object(moe_module, "moe_dispatch", moe_dispatch_triton),
         mock.patch.object(moe_module, "moe_combine", moe_combine_triton),
-        mock.patch.object(moe_module, "situ_glu", _situ_glu),
-        mock.patch.object(situ_glu_module, "situ_glu", _situ_glu),
+        mock.patch.object(moe_module, "situ_glu_packed", _situ_glu_packed),
+        mock.patch.object(situ_glu_module, "situ_glu_packed", _situ_glu_packed),
         mock.patch.object(router_module, "qb_route", _qb_route),
         mock.patch.object(attn_res_module, "ops_attn_res_mix", _attn_res_mix),
         mock.patch.object(attn_res_module, "sinked_mix", _sinked_mix),

@@ -13,9 +13,17 @@ Compiled graphs do not take this op: Inductor fuses the reference's maths itself
 (compile_passes/situ_glu_fusion.py), so the dispatcher (`titan_moe.ops.situ_glu`) sends them
 there.
 
+Packed (`titan_moe::situ_glu_packed`): the routed experts' first grouped GEMM writes a and b
+side by side, ab [rows, 2H] = [a | b] (one GEMM against W1 and W3 stacked). The same kernels read
+a and b from ab's two column halves and the backward writes ∂ab = [∂a | ∂b] in one tensor, so
+neither direction copies the halves apart or back together.
+
 tanh and σ are ops/libdevice_math.py's: libdevice's on CUDA; under Triton's interpreter (the CPU
 tests) tanh comes from exp, exact to about 1e-7 absolute.
-One program takes BLOCK contiguous elements, 4 warps, no autotuning.
+One program takes BLOCK elements of h, 4 warps, no autotuning. With h's rows H wide, element
+(r, c) of a sits at r·STRIDE + c and b's B_COL columns further: packed, STRIDE = 2H and B_COL =
+H, a and b the same pointer (one compile per hidden width); separate contiguous tensors pass
+H = STRIDE = 1 and B_COL = 0, so element i of h reads a's and b's element i.
 """
 
 import torch
@@ -30,26 +38,38 @@ BLOCK, WARPS = 2048, 4
 
 
 @triton.jit
-def situ_glu_fwd_kernel(a_ptr, b_ptr, h_ptr, n, BETA1: tl.constexpr, BETA2: tl.constexpr,
+def _input_offsets(offs, H: tl.constexpr, STRIDE: tl.constexpr):
+    """Offsets of h's elements offs in a row-strided [rows, STRIDE] input."""
+    if STRIDE == H:
+        return offs
+    return (offs // H) * STRIDE + offs % H
+
+
+@triton.jit
+def situ_glu_fwd_kernel(a_ptr, b_ptr, h_ptr, n, H: tl.constexpr, STRIDE: tl.constexpr,
+                        B_COL: tl.constexpr, BETA1: tl.constexpr, BETA2: tl.constexpr,
                         BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    at = _input_offsets(offs, H, STRIDE)
+    a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + at + B_COL, mask=mask, other=0.0).to(tl.float32)
     situ_a = BETA1 * tanh(a / BETA1, LIBDEVICE) * sigmoid(a, LIBDEVICE)
     h = situ_a * (BETA2 * tanh(b / BETA2, LIBDEVICE))
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def situ_glu_bwd_kernel(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BETA1: tl.constexpr,
+def situ_glu_bwd_kernel(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, H: tl.constexpr,
+                        STRIDE: tl.constexpr, B_COL: tl.constexpr, BETA1: tl.constexpr,
                         BETA2: tl.constexpr, BLOCK: tl.constexpr,
                         LIBDEVICE: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    at = _input_offsets(offs, H, STRIDE)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + at + B_COL, mask=mask, other=0.0).to(tl.float32)
     tanh_a = tanh(a / BETA1, LIBDEVICE)
     sig_a = sigmoid(a, LIBDEVICE)
     tanh_b = tanh(b / BETA2, LIBDEVICE)
@@ -57,8 +77,8 @@ def situ_glu_bwd_kernel(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BETA1: tl.const
     d_situ = (1.0 - tanh_a * tanh_a) * sig_a + situ_a * (1.0 - sig_a)
     da = dh * (BETA2 * tanh_b) * d_situ
     db = dh * situ_a * (1.0 - tanh_b * tanh_b)
-    tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
-    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+    tl.store(da_ptr + at, da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + at + B_COL, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
 def validate_situ_glu_inputs(a: Tensor, b: Tensor) -> None:
@@ -69,6 +89,24 @@ def validate_situ_glu_inputs(a: Tensor, b: Tensor) -> None:
         raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
 
 
+def _launch_fwd(a: Tensor, b: Tensor, h: Tensor, hidden: int, stride: int, b_col: int,
+                beta1: float, beta2: float) -> None:
+    n = h.numel()
+    wrap_triton(situ_glu_fwd_kernel)[(triton.cdiv(n, BLOCK),)](
+        a, b, h, n, H=hidden, STRIDE=stride, B_COL=b_col, BETA1=beta1, BETA2=beta2, BLOCK=BLOCK,
+        LIBDEVICE=a.is_cuda, num_warps=WARPS,
+    )  # fmt: skip
+
+
+def _launch_bwd(dh: Tensor, a: Tensor, b: Tensor, da: Tensor, db: Tensor, hidden: int,
+                stride: int, b_col: int, beta1: float, beta2: float) -> None:
+    n = dh.numel()
+    wrap_triton(situ_glu_bwd_kernel)[(triton.cdiv(n, BLOCK),)](
+        dh, a, b, da, db, n, H=hidden, STRIDE=stride, B_COL=b_col, BETA1=beta1, BETA2=beta2,
+        BLOCK=BLOCK, LIBDEVICE=a.is_cuda, num_warps=WARPS,
+    )  # fmt: skip
+
+
 @triton_op("titan_moe::situ_glu", mutates_args=())
 def situ_glu_triton(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
     """`naive.situ_glu_naive` in one kernel: a, b of one shape and dtype (fp32/bf16/fp16) ->
@@ -76,9 +114,7 @@ def situ_glu_triton(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
     validate_situ_glu_inputs(a, b)
     a, b = a.contiguous(), b.contiguous()
     h = torch.empty_like(a)
-    n = a.numel()
-    wrap_triton(situ_glu_fwd_kernel)[(triton.cdiv(n, BLOCK),)](
-        a, b, h, n, BETA1=beta1, BETA2=beta2, BLOCK=BLOCK, LIBDEVICE=a.is_cuda, num_warps=WARPS)
+    _launch_fwd(a, b, h, 1, 1, 0, beta1, beta2)  # contiguous: element i of h is a's and b's i
     return h
 
 
@@ -89,10 +125,7 @@ def situ_glu_bwd_triton(
     """(∂a, ∂b) of `situ_glu_triton` given ∂h, in a's and b's dtypes."""
     dh, a, b = dh.contiguous(), a.contiguous(), b.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
-    n = a.numel()
-    wrap_triton(situ_glu_bwd_kernel)[(triton.cdiv(n, BLOCK),)](
-        dh, a, b, da, db, n, BETA1=beta1, BETA2=beta2, BLOCK=BLOCK, LIBDEVICE=a.is_cuda,
-        num_warps=WARPS)
+    _launch_bwd(dh, a, b, da, db, 1, 1, 0, beta1, beta2)
     return da, db
 
 
@@ -108,3 +141,44 @@ def _backward(ctx, dh: Tensor):
 
 
 situ_glu_triton.register_autograd(_backward, setup_context=_setup_context)
+
+
+def validate_packed_input(ab: Tensor) -> None:
+    if ab.ndim < 1 or ab.shape[-1] % 2:
+        raise ValueError(f"ab must be [..., 2·hidden] (a and b side by side), got shape "
+                         f"{tuple(ab.shape)}")
+
+
+@triton_op("titan_moe::situ_glu_packed", mutates_args=())
+def situ_glu_packed_triton(ab: Tensor, beta1: float, beta2: float) -> Tensor:
+    """`naive.situ_glu_packed_naive` in one kernel: ab [..., 2H] = [a | b] (fp32/bf16/fp16) ->
+    h [..., H] in ab's dtype, computed in fp32."""
+    validate_packed_input(ab)
+    ab = ab.contiguous()
+    hidden = ab.shape[-1] // 2
+    h = ab.new_empty(*ab.shape[:-1], hidden)
+    _launch_fwd(ab, ab, h, hidden, 2 * hidden, hidden, beta1, beta2)
+    return h
+
+
+@triton_op("titan_moe::situ_glu_packed_bwd", mutates_args=())
+def situ_glu_packed_bwd_triton(dh: Tensor, ab: Tensor, beta1: float, beta2: float) -> Tensor:
+    """∂ab [..., 2H] = [∂a | ∂b] of `situ_glu_packed_triton` given ∂h, in ab's dtype."""
+    dh, ab = dh.contiguous(), ab.contiguous()
+    hidden = ab.shape[-1] // 2
+    dab = torch.empty_like(ab)
+    _launch_bwd(dh, ab, ab, dab, dab, hidden, 2 * hidden, hidden, beta1, beta2)
+    return dab
+
+
+def _packed_setup_context(ctx, inputs, output) -> None:
+    ab, ctx.beta1, ctx.beta2 = inputs
+    ctx.save_for_backward(ab)
+
+
+def _packed_backward(ctx, dh: Tensor):
+    (ab,) = ctx.saved_tensors
+    return situ_glu_packed_bwd_triton(dh, ab, ctx.beta1, ctx.beta2), None, None
+
+
+situ_glu_packed_triton.register_autograd(_packed_backward, setup_context=_packed_setup_context)
