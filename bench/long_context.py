@@ -72,6 +72,7 @@ def build(args: TitanMoEArgs, device: str, dtype: torch.dtype, ac: str,
     with torch.device("meta"):
         model = TitanMoE(args)
     model.to_empty(device=device)
+    torch.manual_seed(0)  # the same weights every run: a row's loss repeats run to run
     model.init_weights()
     model.to(dtype)
     for module in model.modules():  # buffers (the QB biases) stay fp32, as under FSDP
@@ -198,7 +199,9 @@ def measure(model: TitanMoE, loss_fn: ChunkedCrossEntropy, length: int, doc_len:
         return value
 
     try:
-        tokens = torch.randint(0, vocab, (1, length + 1), device=device)
+        # Seeded per length, as the weights are: the loss of a row repeats run to run.
+        gen = torch.Generator(device=device).manual_seed(length)
+        tokens = torch.randint(0, vocab, (1, length + 1), device=device, generator=gen)
         doc_ids = (torch.arange(length, device=device) // doc_len).to(torch.int32)[None]
         for i in range(warmup):  # each warmup step's time printed: a 1M step takes minutes
             start = time.perf_counter()
