@@ -7,6 +7,8 @@ h = SiTU_β1(a) ⊙ β2·tanh(b/β2) over [rows, hidden] bf16 blocks, the expert
 top-k) as bench/moe.py's shapes have them: 16,384 tokens at (hidden 256, k 4), (768, 8) and
 (3072, 16). Rows:
   triton          titan_moe::situ_glu / situ_glu_bwd (`situ_glu` on eager CUDA)
+  triton packed   titan_moe::situ_glu_packed / _bwd on ab = [a | b] (what the experts and the
+                  dense blocks run: one GEMM writes both halves), ∂ab written as one tensor
   compiled naive  torch.compile(situ_glu_naive): Inductor's fusion of the reference
   eager naive     situ_glu_naive, what eager CUDA ran before the op
 each timed forward (no grad) and forward+backward (median of --iters after --warmup), with GB/s
@@ -23,29 +25,34 @@ from report import environment
 from timing import copy_bandwidth, timed
 
 from titan_moe.cli_args import non_negative, positive
-from titan_moe.ops.situ_glu import situ_glu, situ_glu_naive
+from titan_moe.ops.situ_glu import situ_glu, situ_glu_naive, situ_glu_packed
 
 SHAPES = "65536,256;131072,768;262144,3072"
 
 
 def impls(device: str) -> dict:
-    found = {"compiled naive": torch.compile(situ_glu_naive), "eager naive": situ_glu_naive}
-    return {"triton": situ_glu, **found} if device == "cuda" else found
+    """name -> (function, whether it takes ab = [a | b] rather than a and b)."""
+    found = {"compiled naive": (torch.compile(situ_glu_naive), False),
+             "eager naive": (situ_glu_naive, False)}
+    if device != "cuda":
+        return found
+    return {"triton": (situ_glu, False), "triton packed": (situ_glu_packed, True), **found}
 
 
-def bench(impl, shape, device, dtype, warmup, iters, bandwidth) -> dict:
+def bench(impl, packed, shape, device, dtype, warmup, iters, bandwidth) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     a, b, dh = (torch.randn(shape, device=device, generator=gen).mul(3).to(dtype)
                 for _ in range(3))
-    a.requires_grad_()
-    b.requires_grad_()
+    inputs = (torch.cat([a, b], dim=-1),) if packed else (a, b)
+    for t in inputs:
+        t.requires_grad_()
 
     def fwd():
         with torch.no_grad():
-            impl(a, b)
+            impl(*inputs)
 
     def fwd_bwd():
-        torch.autograd.grad(impl(a, b), (a, b), dh)
+        torch.autograd.grad(impl(*inputs), inputs, dh)
 
     fwd_ms = timed(fwd, device, warmup, iters)
     fwd_bwd_ms = timed(fwd_bwd, device, warmup, iters)
@@ -71,9 +78,9 @@ def main() -> None:
     print(f"{'impl':<15} {'rows':>7} {'hidden':>6} {'fwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9} "
           f"{'roof':>5}")
     for shape in shapes:
-        for name, impl in impls(opts.device).items():
-            r = {"impl": name, "shape": shape,
-                 **bench(impl, shape, opts.device, dtype, opts.warmup, opts.iters, bandwidth)}
+        for name, (impl, packed) in impls(opts.device).items():
+            r = {"impl": name, "shape": shape, **bench(impl, packed, shape, opts.device, dtype,
+                                                       opts.warmup, opts.iters, bandwidth)}
             rows.append(r)
             print(f"{name:<15} {shape[0]:>7} {shape[1]:>6} {r['fwd_ms']:8.3f} "
                   f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_gbps']:9.0f} {r['fwd_bwd_roof']:5.2f}",
