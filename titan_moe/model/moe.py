@@ -123,15 +123,17 @@ class LatentMoE(nn.Module):
 
     def _tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """x [N, dim], valid [N] bool or None -> [N, dim]: the layer over N flattened tokens."""
+        # The shared expert runs first, so its backward runs last: the backward then issues the
+        # routed experts' grouped GEMMs (most of its device time) early, and the shared expert's
+        # launches overlap them instead of delaying them.
+        shared = self.shared(x) if self.shared is not None else None
         expert_ids, weights = self.router(x, valid)
         z = self.w_down(x)
         dest, src, offs = dispatch_layout(expert_ids.reshape(-1), self.n_experts, self.group_align)
         expert_out = self.experts(moe_dispatch(z, dest, src, self.top_k), offs)
         u = moe_combine(expert_out, dest, src, weights, out_dtype=x.dtype)
         y = self.w_up(self.norm(u))
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y
+        return y if shared is None else y + shared
 
     def init_weights(self, init_std: float, out_init_std: float) -> None:
         self.router.init_weights(init_std)
