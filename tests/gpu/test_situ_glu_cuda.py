@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._dynamo.testing import EagerAndRecordGraphs
 
+from tests.ops.test_situ_glu import compare_packed
 from titan_moe.ops.situ_glu import (
     situ_glu,
     situ_glu_bwd_triton,
@@ -56,16 +57,9 @@ def test_bf16_packed_op_matches_float64(scale):
     rows, hidden = 16384 * 4 + 3, 256
     ab = (torch.randn(rows, 2 * hidden, device="cuda", generator=gen) * scale).bfloat16()
     dh = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
-    ab64 = ab.double().requires_grad_()
-    want = situ_glu_naive(ab64[:, :hidden], ab64[:, hidden:], BETA1, BETA2)
-    (want_dab,) = torch.autograd.grad(want, ab64, dh.double())
-    ours = ab.clone().requires_grad_()
-    h = situ_glu_packed(ours, BETA1, BETA2)
-    (dab,) = torch.autograd.grad(h, ours, dh)
-    assert (h.dtype, dab.dtype, dab.shape) == (torch.bfloat16, torch.bfloat16, ab.shape)
-    errors = [rel_rms(h, want), rel_rms(dab[:, :hidden], want_dab[:, :hidden]),
-              rel_rms(dab[:, hidden:], want_dab[:, hidden:])]
-    assert max(errors) <= BF16_RTOL, errors
+    report = compare_packed(situ_glu_packed, ab, dh)
+    assert report["dtypes_ok"] and report["shapes_ok"], report
+    assert max(report[k] for k in ("h", "da", "db")) <= BF16_RTOL, report
 
 
 def test_opcheck_fake_tensor_and_autograd():

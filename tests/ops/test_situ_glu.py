@@ -59,23 +59,30 @@ PACKED_CASES = {
 }
 
 
+def compare_packed(packed_op, ab: torch.Tensor, dh: torch.Tensor) -> dict:
+    """packed_op(ab) and its ∂ab against the float64 reference of the separate halves (any
+    device): relative RMS errors of h, ∂a and ∂b, and whether shapes and dtypes are ab's."""
+    rows, hidden = ab.shape[0], ab.shape[1] // 2
+    ab64 = ab.double().requires_grad_()
+    want = situ_glu_naive(ab64[:, :hidden], ab64[:, hidden:], BETA1, BETA2)
+    (want_dab,) = torch.autograd.grad(want, ab64, dh.double())
+    ours = ab.clone().requires_grad_()
+    h = packed_op(ours, BETA1, BETA2)
+    (dab,) = torch.autograd.grad(h, ours, dh)
+    return {"h": rel_rms(h, want), "da": rel_rms(dab[:, :hidden], want_dab[:, :hidden]),
+            "db": rel_rms(dab[:, hidden:], want_dab[:, hidden:]),
+            "shapes_ok": (tuple(h.shape), tuple(dab.shape)) == ((rows, hidden), (rows, 2 * hidden)),
+            "dtypes_ok": (h.dtype, dab.dtype) == (ab.dtype,) * 2}
+
+
 def run_packed_case(rows, hidden, dtype, scale) -> dict:
-    """The packed op against the float64 reference of the separate halves: h and ∂ab."""
+    """The packed Triton op (interpreted) against the float64 reference."""
     from titan_moe.ops.situ_glu import situ_glu_packed_triton
 
     gen = torch.Generator().manual_seed(2)
     ab = (torch.randn(rows, 2 * hidden, generator=gen) * scale).to(dtype)
     dh = torch.randn(rows, hidden, generator=gen).to(dtype)
-    ab64 = ab.double().requires_grad_()
-    want = situ_glu_naive(ab64[:, :hidden], ab64[:, hidden:], BETA1, BETA2)
-    (want_dab,) = torch.autograd.grad(want, ab64, dh.double())
-    ours = ab.clone().requires_grad_()
-    h = situ_glu_packed_triton(ours, BETA1, BETA2)
-    (dab,) = torch.autograd.grad(h, ours, dh)
-    return {"h": rel_rms(h, want), "da": rel_rms(dab[:, :hidden], want_dab[:, :hidden]),
-            "db": rel_rms(dab[:, hidden:], want_dab[:, hidden:]),
-            "shapes_ok": (tuple(h.shape), tuple(dab.shape)) == ((rows, hidden), (rows, 2 * hidden)),
-            "dtypes_ok": (h.dtype, dab.dtype) == (dtype,) * 2}
+    return compare_packed(situ_glu_packed_triton, ab, dh)
 
 
 def run_opcheck() -> dict:
