@@ -66,7 +66,12 @@ def written(module_name: str, call: Callable) -> dict[str, set[str]]:
     found = {}
     for kernel, kwargs in launches:
         accesses = identify_accessed_tensors(kernel, kwargs, {})
-        found[kernel.fn.__name__] = {dep.name for dep in accesses.read_writes.writes}
+        writes = {dep.name for dep in accesses.read_writes.writes}
+        # Compiled, each written argument is cloned and written back on its own: one tensor
+        # passed as two written arguments comes back with only the last one's writes.
+        storages = [kwargs[name].untyped_storage().data_ptr() for name in writes]
+        assert len(set(storages)) == len(storages), (kernel.fn.__name__, sorted(writes))
+        found[kernel.fn.__name__] = writes
     return found
 
 
@@ -156,3 +161,17 @@ def test_moe_dispatch_kernels_write_only_their_outputs():
     got = written("titan_moe.ops.moe_dispatch.moe_dispatch_triton", run)
     assert got == {"scatter_rows_kernel": {"out_ptr"}, "gather_sum_rows_kernel": {"out_ptr"},
                    "combine_bwd_kernel": {"drows_ptr", "dw_ptr"}}
+
+
+def test_situ_glu_kernels_write_only_their_outputs_each_through_one_argument():
+    a, b = torch.randn(64, 96), torch.randn(64, 96)
+    ab = torch.cat([a, b], dim=-1)
+    module = "titan_moe.ops.situ_glu.situ_glu_triton"
+    separate = written(module, lambda m: (m.situ_glu_triton(a, b, 4.0, 25.0),
+                                          m.situ_glu_bwd_triton(a, a, b, 4.0, 25.0)))
+    assert separate == {"situ_glu_fwd_kernel": {"h_ptr"},
+                        "situ_glu_bwd_kernel": {"da_ptr", "db_ptr"}}
+    # Packed, [∂a | ∂b] is one tensor: the kernel writes both halves through da_ptr.
+    packed = written(module, lambda m: (m.situ_glu_packed_triton(ab, 4.0, 25.0),
+                                        m.situ_glu_packed_bwd_triton(a, ab, 4.0, 25.0)))
+    assert packed == {"situ_glu_fwd_kernel": {"h_ptr"}, "situ_glu_bwd_kernel": {"da_ptr"}}

@@ -78,7 +78,10 @@ def situ_glu_bwd_kernel(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, H: tl.constexpr
     da = dh * (BETA2 * tanh_b) * d_situ
     db = dh * situ_a * (1.0 - tanh_b * tanh_b)
     tl.store(da_ptr + at, da.to(da_ptr.dtype.element_ty), mask=mask)
-    tl.store(db_ptr + at + B_COL, db.to(db_ptr.dtype.element_ty), mask=mask)
+    if B_COL == 0:
+        tl.store(db_ptr + at, db.to(db_ptr.dtype.element_ty), mask=mask)
+    else:  # packed: ∂b lies B_COL columns right of ∂a, in the one output (db_ptr is None)
+        tl.store(da_ptr + at + B_COL, db.to(da_ptr.dtype.element_ty), mask=mask)
 
 
 def validate_situ_glu_inputs(a: Tensor, b: Tensor) -> None:
@@ -98,7 +101,7 @@ def _launch_fwd(a: Tensor, b: Tensor, h: Tensor, hidden: int, stride: int, b_col
     )  # fmt: skip
 
 
-def _launch_bwd(dh: Tensor, a: Tensor, b: Tensor, da: Tensor, db: Tensor, hidden: int,
+def _launch_bwd(dh: Tensor, a: Tensor, b: Tensor, da: Tensor, db: Tensor | None, hidden: int,
                 stride: int, b_col: int, beta1: float, beta2: float) -> None:
     n = dh.numel()
     wrap_triton(situ_glu_bwd_kernel)[(triton.cdiv(n, BLOCK),)](
@@ -167,7 +170,10 @@ def situ_glu_packed_bwd_triton(dh: Tensor, ab: Tensor, beta1: float, beta2: floa
     dh, ab = dh.contiguous(), ab.contiguous()
     hidden = ab.shape[-1] // 2
     dab = torch.empty_like(ab)
-    _launch_bwd(dh, ab, ab, dab, dab, hidden, 2 * hidden, hidden, beta1, beta2)
+    # dab goes in once: under torch.compile each written argument is cloned and written back
+    # on its own, so dab passed as both ∂a and ∂b came back with one half unwritten (AOT
+    # opcheck on an H100, 2026-12-07).
+    _launch_bwd(dh, ab, ab, dab, None, hidden, 2 * hidden, hidden, beta1, beta2)
     return dab
 
 
