@@ -36,10 +36,15 @@ PAIR_STEPS = 31
 @triton.jit
 def _lower_bound(keys_ptr, n, value, STEPS: tl.constexpr):
     """The first index i < n with keys[i] >= value (n where none), keys ascending; each lane of
-    value searched at once. STEPS >= bit length of n."""
+    value searched at once. STEPS >= bit length of n.
+
+    A loop, not `tl.static_range`: unrolled, each step's lo and hi both read the last step's, and
+    torch 2.13's Inductor, which walks every path back from each load to find what a kernel
+    reads, met 2^31 paths in group_bounds_kernel and did not finish (CPU host, sm_90 TTIR,
+    2026-12-07: tests/ops/test_kernel_writes.py), so compiling the layer would hang there."""
     lo = tl.zeros_like(value)
     hi = lo + n
-    for _ in tl.static_range(STEPS):
+    for _ in range(STEPS):
         active = lo < hi
         mid = (lo + hi) // 2
         key = tl.load(keys_ptr + mid, mask=active, other=0).to(value.dtype)
