@@ -14,6 +14,7 @@ from compile_passes.registry import FusionPasses, matched_counts
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.situ_glu import situ_glu
+from titan_moe.ops.situ_glu import situ_glu_packed
 
 RTOL = 1e-5  # fp32 compiled vs eager, relative to each tensor's largest magnitude
 
@@ -49,6 +50,24 @@ def test_situ_glu_pass_fires_and_keeps_one_kernel_each_way():
         assert "compile_passes.situ_glu" in result.post_grad[unit]
     for c, e in zip(compiled, eager, strict=True):
         assert _rel(c, e) < RTOL
+
+
+class _PackedSiTUGLU(nn.Module):
+    def forward(self, ab: torch.Tensor) -> torch.Tensor:
+        return situ_glu_packed(ab)
+
+
+def test_situ_glu_pass_fires_on_the_packed_form_and_keeps_one_kernel_each_way():
+    """The experts' and FFNs' w13 layout, ab = [a | b]: the pass matches through the chunk, and
+    the backward's [∂a | ∂b] is one kernel (tests/gpu/test_situ_glu_cuda.py checks its loads on
+    CUDA, where Inductor's cat lowering decides otherwise than on the CPU)."""
+    ab = (torch.randn(8, 32) * 4).requires_grad_()
+    result, compiled, eager = _compiled_vs_eager(_PackedSiTUGLU(), [ab], ["situ_glu"])
+    assert matched_counts()["situ_glu"] == 1
+    for unit in ("graph0_forward", "graph0_backward"):
+        generated = [k for k in result.kernels if k.unit == unit and k.kind == "generated"]
+        assert len(generated) == 1, generated
+    assert _rel(compiled[0], eager[0]) < RTOL
 
 
 # (site parameters' dtype, sources' dtypes): fp32 alone; the training layout under bf16 autocast
