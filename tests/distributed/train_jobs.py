@@ -13,12 +13,18 @@ test modules `register` their trainer runs when imported, and the first test tha
 count, the counts in increasing order (one-process seeds first), the jobs of a count in the
 order registered.
 
-Per job: $QB_BIAS_FOLDER is DUMP/qb_biases (tests/distributed/pipeline_spec.py), and each rank's
-log records go to LOG.rank<r>.log, which `job_log` joins in rank order (the lines a test
-searches, as the job's own launch would print them). Rank 0's 2 s sleep at the end of
+A job may instead be tests/distributed/harness.py's `train_layouts` ({"harness": {"layouts":
+[Layout fields], "island_dtypes": bool}}, `register_harness`), the training loop its
+`spawn_layouts` runs on spawned ranks; rank 0 saves the results at DUMP/results.pt.
+
+Per trainer job: $QB_BIAS_FOLDER is DUMP/qb_biases (tests/distributed/pipeline_spec.py), and
+each rank's log records go to LOG.rank<r>.log, which `job_log` joins in rank order (the lines a
+test searches, as the job's own launch would print them); the train spec's model args are
+reset to those registered (`fresh_model_args`). Rank 0's 2 s sleep at the end of
 torchtitan's train loop ("for other ranks to complete") is left out: a barrier ends every job.
 """
 
+import copy
 import dataclasses
 import importlib
 import json
@@ -39,9 +45,10 @@ ROOT = "{root}"  # in a registered job's arguments: the shared runs' folder
 @dataclasses.dataclass
 class Job:
     processes: int
-    args: list[str]
+    args: list[str] | None  # a trainer job's; None for a harness job
     dump: str  # under the shared runs' folder
     before: list[str] | None
+    harness: dict | None = None  # {"layouts": [Layout fields], "island_dtypes": bool}
 
 
 _registered: dict[str, Job] = {}
@@ -56,6 +63,16 @@ def register(name: str, processes: int, args: list[str], dump: str | None = None
     _registered[name] = Job(processes, args, dump or name, before)
 
 
+def register_harness(name: str, processes: int, layouts: list, island_dtypes: bool = False
+                     ) -> None:
+    """tests/distributed/harness.py's `train_layouts(layouts, island_dtypes)` on `processes`
+    ranks for `shared_runs` to launch, as its `spawn_layouts` would run them; rank 0 saves the
+    results at ROOT/name/results.pt."""
+    _registered[name] = Job(processes, None, name, None, {
+        "layouts": [dataclasses.asdict(layout) for layout in layouts],
+        "island_dtypes": island_dtypes})
+
+
 def shared_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """Every registered run: name -> (dump folder, log); those not yet run are launched now."""
     if not _root:
@@ -65,7 +82,8 @@ def shared_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     for processes in sorted({job.processes for job in pending.values()}):
         batch = {name: job for name, job in pending.items() if job.processes == processes}
         spec = [{"dump": str(root / job.dump), "log": str(root / "logs" / name),
-                 "args": [a.replace(ROOT, str(root)) for a in job.args],
+                 "args": job.args and [a.replace(ROOT, str(root)) for a in job.args],
+                 "harness": job.harness,
                  "before": job.before and [a.replace(ROOT, str(root)) for a in job.before]}
                 for name, job in batch.items()]
         # Marked run before the launch: a failed launch fails its tests once, not again each.
@@ -99,6 +117,26 @@ def job_log(log: Path) -> str:
     return "".join(f.read_text() for f in sorted(log.parent.glob(f"{log.name}.rank*.log")))
 
 
+_registered_model_args: dict[str, dict] = {}
+
+
+def fresh_model_args(spec_name: str) -> None:
+    """Give the train spec back its model args as registered. torchtitan's Trainer updates the
+    flavor's args in place with the job's [titan_moe] overrides (update_from_config), and a field
+    a job leaves unset keeps the value an earlier job of the process set: a job must not train
+    an earlier one's vision tower or widths."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from titan_moe.train.trainer import register_titan_moe
+
+    register_titan_moe()  # as the trainer does (once), here before its args are kept
+    model_args = get_train_spec(spec_name).model_args
+    if spec_name not in _registered_model_args:  # before any job of this spec built a trainer
+        _registered_model_args[spec_name] = copy.deepcopy(model_args)
+    model_args.clear()
+    model_args.update(copy.deepcopy(_registered_model_args[spec_name]))
+
+
 def run_job(dump: Path, log: Path, args: list[str], before: list[str] | None) -> None:
     import torch.distributed as dist
     from torchtitan.tools.logging import logger
@@ -120,6 +158,7 @@ def run_job(dump: Path, log: Path, args: list[str], before: list[str] | None) ->
     logger.addHandler(handler)
     try:
         job_config = parse_job_config_or_exit([*args, "--job.dump_folder", str(dump)])
+        fresh_model_args(job_config.model.name)
         use_platform(resolve_device_type(job_config.training.device))
         trainer = TitanMoETrainer(job_config)
         try:
@@ -136,6 +175,32 @@ def run_job(dump: Path, log: Path, args: list[str], before: list[str] | None) ->
         handler.close()
 
 
+def run_harness(dump: Path, layouts: list[dict], island_dtypes: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torchtitan.distributed import utils as tt_dist_utils
+
+    from tests.distributed import harness
+    from titan_moe.train.platform import use_platform
+
+    if not dist.is_initialized():  # the launch's first job: bring the group up, as the trainer
+        dist.init_process_group("gloo")
+    # torchtitan's own clip, which an earlier trainer job's step guard took over process-wide.
+    tt_dist_utils.clip_grad_norm_ = harness._torchtitan_clip_grad_norm_
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as harness.spawn_entry
+    use_platform("cpu")
+    try:
+        results = harness.train_layouts([harness.Layout(**layout) for layout in layouts],
+                                        island_dtypes)
+    finally:
+        torch.set_num_threads(threads)
+    if dist.get_rank() == 0:
+        dump.mkdir(parents=True, exist_ok=True)
+        torch.save(results, dump / "results.pt")
+    dist.barrier()
+
+
 def main(jobs_file: str) -> None:
     """The launched ranks' work (the test process imports this module only to register and
     launch, without the trainer's imports)."""
@@ -143,6 +208,9 @@ def main(jobs_file: str) -> None:
     import torchtitan.train
     from torchtitan.tools.logging import init_logger
 
+    # Imported before any job: it keeps torchtitan's clip_grad_norm_ as imported, before a
+    # trainer job's step guard takes it over.
+    import tests.distributed.harness  # noqa: F401
     from titan_moe.train.trainer import _single_process_env, exit_past_gloo_threads
 
     init_logger()
@@ -151,7 +219,10 @@ def main(jobs_file: str) -> None:
     torchtitan.train.time = types.SimpleNamespace(perf_counter=time.perf_counter,
                                                   sleep=lambda seconds: None)
     for job in json.loads(Path(jobs_file).read_text()):
-        run_job(Path(job["dump"]), Path(job["log"]), job["args"], job["before"])
+        if job["harness"] is not None:
+            run_harness(Path(job["dump"]), **job["harness"])
+        else:
+            run_job(Path(job["dump"]), Path(job["log"]), job["args"], job["before"])
     gloo_peers = dist.get_world_size() > 1
     dist.barrier()
     dist.destroy_process_group()
