@@ -20,7 +20,8 @@ one-process reference and the same tolerances.
 import pytest
 import torch
 
-from tests.distributed.harness import Layout, spawn_layouts, train
+from tests.distributed.harness import Layout, train
+from tests.distributed.train_jobs import register_harness, shared_runs
 
 # Collectives issued in a different order on the two ranks deadlock: the timeout fails it.
 pytestmark = pytest.mark.timeout(1200)
@@ -33,9 +34,14 @@ CP_COMPILED = Layout(2, cp=2, seq_len=SEQ_LEN, loss_chunk=48, compile_backend="i
                      name="cp2_compiled")
 
 
+# Trained with the other test modules' two-process runs, in one launch
+# (tests/distributed/train_jobs.py).
+register_harness("cp_training", 2, [CP, CP_COMPILED])
+
+
 @pytest.fixture(scope="module")
 def all_runs(tmp_path_factory) -> tuple[dict, dict]:
-    results = spawn_layouts(2, [CP, CP_COMPILED], str(tmp_path_factory.mktemp("cp") / "results.pt"))
+    results = torch.load(shared_runs(tmp_path_factory)["cp_training"][0] / "results.pt")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the spawned ranks: spinning OpenMP threads slow tiny matmuls
     try:

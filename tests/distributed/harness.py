@@ -192,6 +192,17 @@ def fp32_island_dtypes(layout: Layout) -> dict[str, str]:
     return seen
 
 
+def train_layouts(layouts: list[Layout], island_dtypes: bool = False) -> dict:
+    """On every rank of the default process group: each layout's `train` results by name, and
+    with island_dtypes the `fp32_island_dtypes` of both shardings (2 ranks)."""
+    results = {layout.name: train(layout) for layout in layouts}
+    if island_dtypes:
+        for sharding in ("fsdp2", "simple_fsdp"):
+            layout = Layout(2, sharding=sharding, param_dtype="bfloat16")
+            results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
+    return results
+
+
 def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], out: str,
                 island_dtypes: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -199,11 +210,7 @@ def spawn_entry(rank: int, world_size: int, port: int, layouts: list[Layout], ou
     torch.set_num_threads(1)
     use_platform("cpu")
     dist.init_process_group("gloo")
-    results = {layout.name: train(layout) for layout in layouts}
-    if island_dtypes:
-        for sharding in ("fsdp2", "simple_fsdp"):
-            layout = Layout(2, sharding=sharding, param_dtype="bfloat16")
-            results[f"dtypes_{sharding}"] = fp32_island_dtypes(layout)
+    results = train_layouts(layouts, island_dtypes)
     if rank == 0:
         torch.save(results, out)
     end_rank()

@@ -13,7 +13,8 @@ parallel-equivalence tolerances (test_parallel_equivalence.py: fp32 summation or
 import pytest
 import torch
 
-from tests.distributed.harness import Layout, spawn_layouts, train
+from tests.distributed.harness import Layout, train
+from tests.distributed.train_jobs import register_harness, shared_runs
 
 MAX_NORM = 0.3
 NORM_RTOL = 1e-5
@@ -28,9 +29,14 @@ def reference() -> dict:
     return train(Layout(1, max_norm=MAX_NORM))
 
 
+# Trained with the other test modules' two-process runs, in one launch
+# (tests/distributed/train_jobs.py).
+register_harness("fused_clip", 2, LAYOUTS)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    results = spawn_layouts(2, LAYOUTS, str(tmp_path_factory.mktemp("fused_clip") / "results.pt"))
+    results = torch.load(shared_runs(tmp_path_factory)["fused_clip"][0] / "results.pt")
     results["one_process_fused"] = train(Layout(1, fused=True, max_norm=MAX_NORM))
     return results
 

@@ -15,7 +15,8 @@ QB counts are exact integers, so the biases agree to the bin interpolation's fp3
 import pytest
 import torch
 
-from tests.distributed.harness import Layout, spawn_layouts, train
+from tests.distributed.harness import Layout, train
+from tests.distributed.train_jobs import register_harness, shared_runs
 
 LOSS_RTOL = 2e-5
 BIAS_ATOL = 1e-6
@@ -33,15 +34,17 @@ def reference() -> dict:
     return train(Layout(1))
 
 
-def _run(world_size: int, tmp_path) -> dict:
-    return spawn_layouts(world_size, LAYOUTS[world_size], str(tmp_path / f"results{world_size}.pt"),
-                         island_dtypes=world_size == 2)
+# Trained with the other test modules' runs of the same process count, in one launch
+# (tests/distributed/train_jobs.py).
+for _world_size, _layouts in LAYOUTS.items():
+    register_harness(f"parallel_equivalence/{_world_size}", _world_size, _layouts,
+                     island_dtypes=_world_size == 2)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("dist")
-    return {n: _run(n, tmp) for n in LAYOUTS}
+    runs = shared_runs(tmp_path_factory)
+    return {n: torch.load(runs[f"parallel_equivalence/{n}"][0] / "results.pt") for n in LAYOUTS}
 
 
 @pytest.mark.slow

@@ -40,6 +40,11 @@ relative (GPU machine, CPU gloo), 2026-12-06; now its PP runs equal 2.13's bit f
 Resume: the pp2 run's step-3 checkpoint, loaded by a fresh pp2 job, reproduces steps 4-5 of the
 uninterrupted run exactly (same processes, same order of operations).
 
+The runs of each process count share one launch with the other test modules' registered runs
+(tests/distributed/train_jobs.py: one job after the other, each as `python -m titan_moe.train`
+runs it): a launch's start, torch, torchtitan and titan_moe imported on every rank, takes longer
+than a job's few steps.
+
 Multimodal: the same model with the debug vision tower on text + scikit-learn digits (the real
 titan_moe dataloader; one data rank in both layouts, so the same batches), 3 steps from one seed
 checkpoint, pp2 (the tower on the first stage) against one process: losses within LOSS_RTOL, and
@@ -56,20 +61,16 @@ rank, once per validated step; a run without the validation lines fails. pp2 wit
 trains exactly as pp2 without it (losses, grad norms, moe/max_violation bitwise).
 """
 
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.distributed.train_jobs import ROOT, register, shared_runs
 from tests.train.conftest import read_scalars
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 LOSS_RTOL = 2e-5
 MAX_NORM = 0.5
@@ -120,21 +121,6 @@ CUT_BYTES = {
 }
 
 
-def train(dump: Path, processes: int, *args: str, base: list[str] = TINY) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // processes)),
-           "QB_BIAS_FOLDER": str(dump / "qb_biases")}
-    env.pop("LOCAL_RANK", None)
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    result = subprocess.run(
-        [sys.executable, *(launcher if processes > 1 else []), "-m", "titan_moe.train", *base,
-         "--job.dump_folder", str(dump), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-4000:]
-    return log
-
-
 def scalars(dump: Path, tag: str) -> dict[int, float]:
     out: dict[int, float] = {}
     for run_dir in sorted((dump / "tb").iterdir()):
@@ -165,14 +151,8 @@ def biases(dump: Path) -> list[dict[int, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    root = tmp_path_factory.mktemp("pipeline")
-    train(root / "seed", 1, "--training.local_batch_size", "4", "--checkpoint.enable",
-          "--checkpoint.create_seed_checkpoint")
-    seed = ["--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "3",
-            "--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0")]
-    return {name: (root / name, train(root / name, n, *seed, *args))
-            for name, (n, args) in LAYOUTS.items()}
+def runs(launched) -> dict[str, tuple[Path, str]]:
+    return launched["rows"]
 
 
 @pytest.mark.slow
@@ -229,13 +209,8 @@ def test_start_up_logs_the_bytes_each_cut_sends(runs, name):
 
 
 @pytest.mark.slow
-def test_resume_under_pp2_reproduces_the_uninterrupted_run(runs, tmp_path):
-    straight = runs["pp2"][0]
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    log = train(resumed, 2, *PP2, "--training.local_batch_size", "4",
-                "--training.steps", str(STEPS), "--checkpoint.enable",
-                "--checkpoint.interval", "3")
+def test_resume_under_pp2_reproduces_the_uninterrupted_run(runs):
+    straight, (resumed, log) = runs["pp2"][0], runs["pp2_resumed"]
     loaded = [line for line in log.splitlines() if "Loading the checkpoint from" in line]
     assert loaded and all(line.rstrip(".").endswith("step-3") for line in loaded), loaded
     want, got = (scalars(d, "loss_metrics/global_avg_loss") for d in (straight, resumed))
@@ -280,21 +255,14 @@ def tower(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_multimodal_pp2_with_the_tower_on_the_first_stage_matches_one_process(tmp_path):
-    base = tiny_multimodal()
-    train(tmp_path / "seed", 1, "--training.local_batch_size", "4", "--checkpoint.enable",
-          "--checkpoint.create_seed_checkpoint", base=base)
-    seed = ["--training.steps", str(MM_STEPS), "--training.local_batch_size", "4",
-            "--checkpoint.enable", "--checkpoint.initial_load_path",
-            str(tmp_path / "seed" / "checkpoint" / "step-0")]
-    train(tmp_path / "one", 1, *seed, base=base)
-    log = train(tmp_path / "pp2", 2, *seed, *PP2, base=base)
-    assert "pipeline stages (layers): ['0-1', '2-3']" in log
-    want, got = (scalars(tmp_path / d, "loss_metrics/global_avg_loss") for d in ("one", "pp2"))
+def test_multimodal_pp2_with_the_tower_on_the_first_stage_matches_one_process(launched, tmp_path):
+    dumps = {name: dump for name, (dump, _) in launched["mm"].items()}
+    assert "pipeline stages (layers): ['0-1', '2-3']" in launched["mm"]["pp2"][1]
+    want, got = (scalars(dumps[d], "loss_metrics/global_avg_loss") for d in ("one_process", "pp2"))
     assert_losses_close(got, want, list(range(1, MM_STEPS + 1)))
-    start = tower(tmp_path / "seed" / "checkpoint" / "step-0", tmp_path / "seed.pt")
-    one = tower(tmp_path / "one" / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "one.pt")
-    pp2 = tower(tmp_path / "pp2" / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "pp2.pt")
+    start = tower(dumps["seed"] / "checkpoint" / "step-0", tmp_path / "seed.pt")
+    one = tower(dumps["one_process"] / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "one.pt")
+    pp2 = tower(dumps["pp2"] / "checkpoint" / f"step-{MM_STEPS}", tmp_path / "pp2.pt")
     assert start and start.keys() == one.keys() == pp2.keys()
     for name, weight in pp2.items():
         moved = (weight - start[name]).abs().max().item()
@@ -319,15 +287,51 @@ VALIDATE_LOG = re.compile(r"validate step:\s+(\d+)\s+loss:\s+(-?[\d.]+)")
 
 
 @pytest.fixture(scope="module")
-def validation_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    root, base = tmp_path_factory.mktemp("validation"), tiny_corpus()
-    train(root / "seed", 1, "--training.local_batch_size", "4", "--checkpoint.enable",
-          "--checkpoint.create_seed_checkpoint", base=base)
-    seed = ["--training.steps", str(VAL_STEPS), "--training.local_batch_size", "4",
-            "--checkpoint.enable", "--checkpoint.initial_load_path",
-            str(root / "seed" / "checkpoint" / "step-0")]
-    return {name: (root / name, train(root / name, n, *seed, *args, base=base))
-            for name, (n, args) in VALIDATION_LAYOUTS.items()}
+def validation_runs(launched) -> dict[str, tuple[Path, str]]:
+    return launched["validation"]
+
+
+SEED = ["--training.local_batch_size", "4", "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint"]
+
+
+FAMILIES = {  # name: base, arguments of every run but the seed, layouts
+    "rows": (TINY, ["--training.steps", str(STEPS), "--checkpoint.enable",
+                    "--checkpoint.interval", "3"], LAYOUTS),
+    "validation": (tiny_corpus(), ["--training.steps", str(VAL_STEPS),
+                                   "--training.local_batch_size", "4", "--checkpoint.enable"],
+                   VALIDATION_LAYOUTS),
+    "mm": (tiny_multimodal(), ["--training.steps", str(MM_STEPS), "--training.local_batch_size",
+                               "4", "--checkpoint.enable"],
+           {"one_process": (1, []), "pp2": (2, PP2)}),
+}
+# Every training run of this module, by family (rows: LAYOUTS and pp2_resumed; validation:
+# VALIDATION_LAYOUTS; mm: the multimodal test's), each family's runs from its seed checkpoint.
+# The test process launches them with the other modules' registered runs, one launch for each
+# process count (tests/distributed/train_jobs.py).
+for _family, (_base, _common, _layouts) in FAMILIES.items():
+    register(f"pipeline/{_family}/seed", 1, [*_base, *SEED])
+    _seed = ["--checkpoint.initial_load_path", f"{ROOT}/pipeline/{_family}/seed/checkpoint/step-0"]
+    for _name, (_processes, _args) in _layouts.items():
+        register(f"pipeline/{_family}/{_name}", _processes, [*_base, *_common, *_seed, *_args])
+# A fresh pp2 job on the pp2 run's step-3 checkpoint (alone in its checkpoint folder: the latest,
+# which the job loads), after that run in the same launch.
+register("pipeline/rows/pp2_resumed", 2,
+         [*TINY, *PP2, "--training.local_batch_size", "4", "--training.steps", str(STEPS),
+          "--checkpoint.enable", "--checkpoint.interval", "3"],
+         before=["shutil:copytree", f"{ROOT}/pipeline/rows/pp2/checkpoint/step-3",
+                 f"{ROOT}/pipeline/rows/pp2_resumed/checkpoint/step-3"])
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, dict[str, tuple[Path, str]]]:
+    """family: {layout: (dump folder, log)}."""
+    out: dict[str, dict[str, tuple[Path, str]]] = {family: {} for family in FAMILIES}
+    for key, run in shared_runs(tmp_path_factory).items():
+        if key.startswith("pipeline/"):
+            _, family, name = key.split("/")
+            out[family][name] = run
+    return out
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ rank 1 hashed; both verify step-2 again and resume. Each rank's record is writte
 
 import dataclasses
 import json
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +30,14 @@ def flip_byte(path: Path, offset: int) -> None:
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ 0xFF]))
+
+
+def keep_and_damage(step_dir: str, keep: str) -> None:
+    """Copy a written step folder to `keep`, then damage its rank-1 shard in the middle: the
+    trainer test's work between its two runs (tests/distributed/train_jobs.py calls it)."""
+    shutil.copytree(step_dir, keep)
+    shard = Path(step_dir) / "__1_0.distcp"
+    flip_byte(shard, shard.stat().st_size // 2)
 
 
 def two_ranks(rank: int, port: int, root: str, out: str, chunk_bytes: int) -> None:

@@ -11,20 +11,18 @@ save and the resume go through VerifiedCheckpoints on both ranks.
 import dataclasses
 import hashlib
 import json
-import os
 import pickle
 import random
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
+from tests.distributed.train_jobs import ROOT, register, shared_runs
 from tests.train.manifest_ranks import Args, flip_byte, two_ranks
-from tests.train.test_checkpoint_resume import REPO, TINY
+from tests.train.test_checkpoint_resume import TINY
 from titan_moe.train import checkpoint_verify as cv
 
 CHUNK = 1024
@@ -197,26 +195,23 @@ def test_two_ranks_hash_disjoint_shares_and_agree(tmp_path, small_chunks):
     assert [rank["resume"] for rank in ranks] == [1, 1]
 
 
-def train_two_ranks(dump: Path, steps: int) -> str:
-    """The resume tests' tiny run on two gloo processes (FSDP over both), saving every step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "titan_moe.train", *TINY, "--checkpoint.interval", "1",
-         "--training.steps", str(steps), "--job.dump_folder", str(dump)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-4000:]
-    return log
+# The resume tests' tiny run on two gloo processes (FSDP over both), saving every step: 2 steps,
+# then (the step-2 folder kept as written, its rank-1 shard damaged) 3 steps in the same folder,
+# launched with the other test modules' trainer runs (tests/distributed/train_jobs.py).
+TWO_RANKS = [*TINY, "--checkpoint.interval", "1"]
+register("manifest/written", 2, [*TWO_RANKS, "--training.steps", "2"], dump="manifest")
+register("manifest/resumed", 2, [*TWO_RANKS, "--training.steps", "3"], dump="manifest",
+         before=["tests.train.manifest_ranks:keep_and_damage", f"{ROOT}/manifest/checkpoint/step-2",
+                 f"{ROOT}/manifest_step-2_as_written"])
 
 
 @pytest.mark.slow
-def test_the_trainer_on_two_ranks_writes_and_verifies_format_2(tmp_path):
+def test_the_trainer_on_two_ranks_writes_and_verifies_format_2(tmp_path_factory):
     """Both ranks' shards are in the manifest, each chunk's digest that of hashlib over its
     range; a damaged shard makes both ranks skip that step and load the one before."""
-    train_two_ranks(tmp_path, 2)
-    step_dir = tmp_path / "checkpoint" / "step-2"
+    runs = shared_runs(tmp_path_factory)
+    dump, log = runs["manifest/resumed"]
+    step_dir = runs["manifest/written"][0].parent / "manifest_step-2_as_written"
     written = manifest(step_dir)
     assert written["format"] == 2
     assert set(written["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
@@ -224,13 +219,14 @@ def test_the_trainer_on_two_ranks_writes_and_verifies_format_2(tmp_path):
         assert want == {"bytes": (step_dir / name).stat().st_size,
                         "chunk_bytes": cv.CHUNK_BYTES,
                         "sha256": reference_digests(step_dir / name, cv.CHUNK_BYTES)}, name
-    shard = step_dir / "__1_0.distcp"
-    size = shard.stat().st_size  # less than a chunk: one chunk
-    flip_byte(shard, size // 2)
-    log = train_two_ranks(tmp_path, 3).splitlines()
+    # The damaged shard's size, that of the shard as written (the resumed run writes step-2
+    # anew): less than a chunk, one chunk.
+    shard = dump / "checkpoint" / "step-2" / "__1_0.distcp"
+    size = (step_dir / shard.name).stat().st_size
+    log = log.splitlines()
     skip = (f"Skipping checkpoint step-2: {shard} is damaged: its sha256 differs from the "
             f"manifest's in chunk 0 of 1, bytes [0, {size}) of {size}")
     assert [line.split(" - WARNING - ", 1)[1] for line in log
             if " - WARNING - Skipping" in line] == [skip, skip]
     loaded = [line.rstrip(".").split()[-1] for line in log if "Loading the checkpoint" in line]
-    assert loaded == [str(tmp_path / "checkpoint" / "step-1")] * 2
+    assert loaded == [str(dump / "checkpoint" / "step-1")] * 2

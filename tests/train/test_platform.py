@@ -16,6 +16,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchtitan.tools import utils as tt_utils
 
+from tests.distributed.train_jobs import register, shared_runs
 from titan_moe.train.platform import resolve_device_type, use_platform
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,28 +37,6 @@ SMOKE = [
 ]
 
 
-def train(n_proc: int, dump: Path, *extra: str) -> str:
-    args = [*SMOKE, "--training.local_batch_size", str(GLOBAL_BATCH // n_proc),
-            "--job.dump_folder", str(dump), *extra]
-    launcher = [sys.executable, "-m", "titan_moe.train"]
-    if n_proc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={n_proc}", "-m", "titan_moe.train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    result = subprocess.run(
-        [*launcher, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
-    output = result.stdout + result.stderr
-    # Each rank's first error is above the launcher's own traceback: keep the start too, and
-    # every line in between that names a fatal error (a rank's native abort sits mid-output).
-    fatal = [line for line in output.splitlines()
-             if any(k in line for k in ("Fatal", "terminate", "what()", "Error", "File \""))]
-    assert result.returncode == 0, (output[:3000] + "\n...\n" + "\n".join(fatal[-80:])
-                                    + "\n...\n" + output[-3000:])
-    return output
-
-
 def scalars(dump: Path) -> dict[str, list[tuple[int, float]]]:
     (run_dir,) = glob.glob(str(dump / "tb" / "*"))
     events = EventAccumulator(run_dir, size_guidance={"scalars": 0, "histograms": 0})
@@ -68,20 +47,24 @@ def scalars(dump: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+PROFILE = ["--profiling.enable_profiling", "--profiling.profile_freq", "3",
+           "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"]
+# Launched with the other test modules' trainer runs (tests/distributed/train_jobs.py).
+register("platform/one", 1, [*SMOKE, "--training.local_batch_size", str(GLOBAL_BATCH), *PROFILE])
+register("platform/two", 2, [*SMOKE, "--training.local_batch_size", str(GLOBAL_BATCH // 2)])
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    profile = ["--profiling.enable_profiling", "--profiling.profile_freq", "3",
-               "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"]
-    one_log = train(1, root / "one", *profile)
-    two_log = train(2, root / "two")
-    return root, one_log, two_log
+def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """one, two: (dump folder, log) of the run on that many processes."""
+    shared = shared_runs(tmp_path_factory)
+    return {n: shared[f"platform/{n}"] for n in ("one", "two")}
 
 
 def test_two_process_fsdp_over_gloo_matches_one_process(runs):
-    root, _, two_log = runs
+    two_log = runs["two"][1]
     assert "dp_shard=2" in two_log and "Applied FSDP to the model" in two_log
-    one, two = scalars(root / "one"), scalars(root / "two")
+    one, two = scalars(runs["one"][0]), scalars(runs["two"][0])
     for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
         assert [s for s, _ in two[tag]] == list(range(1, STEPS + 1))
         expected = torch.tensor([v for _, v in one[tag]], dtype=torch.float64)
@@ -90,8 +73,8 @@ def test_two_process_fsdp_over_gloo_matches_one_process(runs):
 
 
 def test_cpu_metrics_omit_mfu_and_log_moe(runs):
-    root, one_log, _ = runs
-    one = scalars(root / "one")
+    one_dump, one_log = runs["one"]
+    one = scalars(one_dump)
     assert "mfu(%)" not in one and "mfu:" not in one_log
     assert one["memory/max_reserved(GiB)"][-1][1] > 0
     assert one["throughput(tps)"][-1][1] > 0
@@ -101,8 +84,8 @@ def test_cpu_metrics_omit_mfu_and_log_moe(runs):
 
 
 def test_cpu_profiler_writes_a_chrome_trace(runs):
-    root, _, _ = runs
-    (trace,) = glob.glob(str(root / "one" / "profile_traces" / "iteration_3" / "rank0_trace.json"))
+    traces = runs["one"][0] / "profile_traces"
+    (trace,) = glob.glob(str(traces / "iteration_3" / "rank0_trace.json"))
     events = json.loads(Path(trace).read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("ProfilerStep#") for e in events)
     assert any(e.get("cat") == "cpu_op" for e in events)
