@@ -10,9 +10,9 @@ on steps 1-6: warmup then constant (decay_ratio 0), since a decay phase would en
 """
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.faults.trainer_process import train_process
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -27,14 +27,15 @@ TINY = [
 
 
 def train(dump: Path, steps: int) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "titan_moe.train", *TINY, "--training.steps", str(steps),
-         "--job.dump_folder", str(dump)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin", "HOME": str(dump)},
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return result.stdout + result.stderr
+    """The log of a run of `python -m titan_moe.train`'s main, in a process forked from
+    trainer_process.py's server (the trainer imported once, not per run)."""
+    dump.mkdir(parents=True, exist_ok=True)
+    log = dump / f"run-{len(list(dump.glob('run-*.log')))}.log"
+    result = train_process([*TINY, "--training.steps", str(steps), "--job.dump_folder", str(dump)],
+                           {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin", "HOME": str(dump),
+                            "PYTHONPATH": str(REPO)}, REPO, log)
+    assert result.returncode == 0, result.log[-4000:]
+    return result.log
 
 
 def losses(dump: Path, scalars_of) -> dict[int, float]:
