@@ -20,6 +20,10 @@ TINY = [
     "--titan_moe.n_layers", "3", "--titan_moe.mla_layers", "3",
     "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.0",
+    # A shuffle buffer of 8 windows, not debug.toml's 2048: the checkpoint still carries one
+    # (resumed shuffling, tests/data/test_dataloader.py), and step 1 no longer tokenizes 2048
+    # windows to fill it first.
+    "--training.shuffle_windows", "8",
     "--metrics.log_freq", "1",
     "--metrics.disable_color_printing", "--training.device", "cpu",
     "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.no_last_save_model_only",
