@@ -32,8 +32,9 @@ GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
 # name -> (batch, seq_len, heads, d_k, d_v, gate, documents, initial state + final state).
 # The interpreter's time grows with batch x heads x chunks (programs run one by one), so
-# batch 2 x heads 2 is taken once, here, where every kernel indexes (b, h) without documents;
-# the document cases take batch 2 (rows with their own boundaries) or heads 1.
+# batch 2 x heads 2 is taken twice: here, without documents, and by bf16-doc-ids-fused-gate
+# (BF16_CASES), where the document ids of a row serve all its heads; the other document cases
+# take heads 1.
 CASES = {
     "T100-random": (2, 100, 2, 32, 16, "random", None, True),
     "T64-pinned": (1, 64, 1, 16, 32, "pinned", None, True),
@@ -44,11 +45,12 @@ CASES = {
 }
 # Sequences run by segments (chunk_triton.SEGMENT set to a few chunks): name -> (case as above,
 # input dtype, segment tokens). Documents begin at a segment boundary (row 0 at 64) and cross
-# one (row 1); the last segment is partial. Each is also run whole, against float64 as well:
-# a case of CASES with the same inputs (float32) is that whole run's report, not run again.
+# one (row 1); the last segment is partial; heads 2 hand their states over apart (bf16 case).
+# Each is also run whole, against float64 as well: a case of CASES with the same inputs
+# (float32) is that whole run's report, not run again.
 SEGMENT_CASES = {
     "segments-64-doc-ids": (CASES["doc-ids-mid-chunk"], torch.float32, 64),
-    "segments-128-bf16-fused": ((1, 200, 1, 32, 32, "fused", None, True), torch.bfloat16, 128),
+    "segments-64-bf16-fused-H2": ((1, 130, 2, 32, 32, "fused", None, True), torch.bfloat16, 64),
     "segments-64-no-state": (CASES["cu-seqlens"], torch.float32, 64),
 }
 SEGMENT_VS_WHOLE_RTOL = 1e-6  # the same kernels, the state handed over in fp32
@@ -57,7 +59,7 @@ SEGMENT_VS_WHOLE_RTOL = 1e-6  # the same kernels, the state handed over in fp32
 BF16_CASES = {
     "bf16-T200-random": (1, 200, 1, 64, 64, "random", None, True),
     "bf16-T130-pinned": (1, 130, 1, 64, 32, "pinned", None, True),
-    "bf16-doc-ids-fused-gate": (2, 100, 1, 32, 32, "fused", "doc_ids", True),
+    "bf16-doc-ids-fused-gate": (2, 100, 2, 32, 32, "fused", "doc_ids", True),
 }
 # The backward from what the forward kept against the one that recomputes it: name -> (batch,
 # seq_len, heads, d_k, d_v, gate, documents, input dtype).
