@@ -1,15 +1,13 @@
 """Long-context evaluation: bucket losses against a per-position loop, the needle layout, and
 the trainer writing both to TensorBoard at the last step."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.faults.trainer_process import train_process
 from titan_moe.eval.long_context import (
     NeedleSpec,
     _needle_context,
@@ -94,11 +92,12 @@ def test_trainer_logs_the_long_context_eval_to_tensorboard(tmp_path):
         "--eval.long_context", "--eval.needle_lengths", "128", "256",
         "--eval.needle_depths", "0.5", "--eval.needle_trials", "1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, "-m", "titan_moe.train", *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    # `python -m titan_moe.train`'s main in a process forked from trainer_process.py's server
+    # (the trainer imported once for the test session).
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "PYTHONPATH": str(REPO)}
+    result = train_process(args, env, REPO, tmp_path / "train.log")
+    assert result.returncode == 0, result.log[-4000:]
     (run_dir,) = (tmp_path / "tb").iterdir()
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()

@@ -3,12 +3,15 @@ without paying its ~5 s of imports per run: each run is a process forked from a 
 fork server that has imported `titan_moe.train.trainer` once and computed nothing (no thread pool to
 inherit). The run's process sets its environment and working directory, sends its stdout and
 stderr (file descriptors 1 and 2) to a log file and calls `titan_moe.train.trainer.main(argv)`;
-its exit status is main's (0, 1 on an exception, or -9 when it was SIGKILLed).
+its exit status is main's (0, 1 on an exception, or -9 when it was SIGKILLed). torchtitan's
+train() ends with a 2 s sleep "for other ranks to complete", which a run of one process skips
+here (no rank to wait for; the only sleep in torchtitan/train.py).
 """
 
 import multiprocessing
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -22,6 +25,16 @@ class Run(NamedTuple):
     log: str
 
 
+class NoSleep:
+    """The time module, less its sleep."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        pass
+
+
 def _train(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -32,8 +45,11 @@ def _train(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     import torch
+    import torchtitan.train
 
     from titan_moe.train.trainer import main
+
+    torchtitan.train.time = NoSleep()
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "2")))  # the env var is read at import
     status = 1

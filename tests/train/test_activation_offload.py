@@ -2,45 +2,21 @@
 the checkpointed layers keep, and trains exactly as without it (reference: the same run with the
 offload off; on CPU the host copies are exact, so the losses agree within rtol 1e-6).
 
-Both runs go through `titan_moe.train.trainer.main` in one child process each, with save_on_cpu
-replaced by a subclass that counts what it packs (a silently skipped offload packs nothing).
+Both runs go through `titan_moe.train.trainer.main` in one child process each (forked from
+tests/faults/trainer_process.py's server, which imported the trainer once), with save_on_cpu
+replaced by a subclass that counts what it packs (tests/train/count_offload.py: a silently
+skipped offload packs nothing).
 """
 
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 
+from tests.faults.trainer_process import train_process
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
-
-RUN = """
-import sys
-import torch
-from torch.autograd.graph import save_on_cpu
-
-packed = [0]
-
-
-class Counting(save_on_cpu):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        pack = self.pack_hook
-
-        def counted(tensor):
-            packed[0] += 1
-            return pack(tensor)
-
-        self.pack_hook = counted
-
-
-torch.autograd.graph.save_on_cpu = Counting
-from titan_moe.train.trainer import main
-
-main(sys.argv[1:])
-print("packed", packed[0])
-"""
 
 
 def _run(tmp_path: Path, offload: bool, scalars_of) -> tuple[list[float], int]:
@@ -49,13 +25,19 @@ def _run(tmp_path: Path, offload: bool, scalars_of) -> tuple[list[float], int]:
             "--titan_moe.n_layers", "3", "--titan_moe.mla_layers", "3",
             "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "1",
+            # The batches in corpus order: no 2048-window shuffle buffer to fill in step 1.
+            "--training.shuffle_windows", "0",
             "--metrics.log_freq", "1", "--checkpoint.no_enable", "--training.device", "cpu",
-            "--activation_checkpoint.mode", "full"]
+            "--activation_checkpoint.mode", "full",
+            "--experimental.custom_import", "tests.train.count_offload"]
     args += ["--training.activation_offload"] if offload else []
-    result = subprocess.run([sys.executable, "-c", RUN, *args], cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    packed = int(result.stdout.split("packed")[-1])
+    folder.mkdir(parents=True)
+    result = train_process(args, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin",
+                                  "HOME": str(folder), "PYTHONPATH": str(REPO)},
+                           REPO, folder / "train.log")
+    assert result.returncode == 0, result.log[-4000:]
+    counts = re.findall(r"^packed (\d+)$", result.log, re.M)
+    packed = int(counts[-1]) if counts else 0
     (run_dir,) = (folder / "tb").iterdir()
     return [value for _, value in scalars_of(run_dir, "loss_metrics/global_avg_loss")], packed
 

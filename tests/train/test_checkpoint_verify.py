@@ -3,7 +3,9 @@
 One 2-step run saves step-1 and step-2 with their manifests; each test damages a copy of them and
 resumes it. A resume asks for `training.steps 1`, so it loads and stops without a training step,
 whichever step it loads. The runs go through `titan_moe.train.trainer.main` in this process:
-the imports and the first step's warm-up are paid once for the file, not once per run.
+the imports and the first step's warm-up are paid once for the file, not once per run, and
+torchtitan's 2 s sleep for other ranks at the end of a run is skipped (one rank: none to wait
+for; tests/faults/trainer_process.py's NoSleep).
 """
 
 import dataclasses
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import torchtitan.train
 
+from tests.faults.trainer_process import NoSleep
 from tests.train.test_checkpoint_resume import REPO, TINY
 from titan_moe.train.checkpoint_verify import (
     MANIFEST,
@@ -37,6 +41,7 @@ def train(dump: Path, steps: int, *extra: str) -> None:
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO)
+        patch.setattr(torchtitan.train, "time", NoSleep())
         for key, value in env.items():
             patch.setenv(key, value)
         try:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import utils as tt_dist_utils
 
+from tests.faults.trainer_process import train_process
 from titan_moe.model.quantile_balance import QuantileBalancer
 from titan_moe.model.router import Router
 from titan_moe.train.optimizer import attach_load_balancing
@@ -219,7 +220,9 @@ def test_non_finite_weights_are_named_and_refused():
 
 def _train(dump: Path, data: Path, *args: str, nan_steps: str = "", nan_ranks: str = "",
            n_proc: int = 1) -> tuple[int, str]:
-    """(exit status, stdout + stderr) of a 4-step run of the tiny debug model."""
+    """(exit status, stdout + stderr) of a 4-step run of the tiny debug model: one process forked
+    from tests/faults/trainer_process.py's server (the trainer imported once, not per run) or
+    `n_proc` under torchrun."""
     tiny = [
         "--job.config_file", "configs/debug.toml", "--job.dump_folder", str(dump),
         "--titan_moe.n_layers", "3", "--titan_moe.mla_layers", "3",
@@ -228,16 +231,16 @@ def _train(dump: Path, data: Path, *args: str, nan_steps: str = "", nan_ranks: s
         "--training.steps", "4", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
         "--training.device", "cpu", "--experimental.custom_import", "tests.train.nan_loss",
     ]
-    launcher = [sys.executable, "-m", "titan_moe.train"]
-    if n_proc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={n_proc}", "-m", "titan_moe.train"]
-    run = subprocess.run(
-        [*launcher, *tiny, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={"OMP_NUM_THREADS": str(2 // n_proc), "PATH": "/usr/bin:/bin", "HOME": str(dump),
-             "PYTHONPATH": str(REPO), "NAN_STEPS": nan_steps, "NAN_RANKS": nan_ranks},
-    )
+    env = {"OMP_NUM_THREADS": str(2 // n_proc), "PATH": "/usr/bin:/bin", "HOME": str(dump),
+           "PYTHONPATH": str(REPO), "NAN_STEPS": nan_steps, "NAN_RANKS": nan_ranks}
+    if n_proc == 1:
+        dump.mkdir(parents=True, exist_ok=True)
+        run = train_process([*tiny, *args], env, REPO, dump / "train.log")
+        return run.returncode, run.log
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={n_proc}", "-m", "titan_moe.train"]
+    run = subprocess.run([*launcher, *tiny, *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=env)
     return run.returncode, run.stdout + run.stderr
 
 
