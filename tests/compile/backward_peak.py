@@ -5,9 +5,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def backward_peak(module: torch.nn.Module, tokens: int, dim: int) -> int:
-    """Peak bytes allocated above the start during module's backward over x [1, tokens, dim]."""
-    x = torch.randn(1, tokens, dim, requires_grad=True)
+def backward_peak(module: torch.nn.Module, tokens: int, dim: int, row_tokens: int = 0) -> int:
+    """Peak bytes allocated above the start during module's backward over x [1, tokens, dim].
+
+    With row_tokens, x is the first `tokens` positions of a [1, row_tokens, dim] row: its
+    strides, which Dynamo guards on (the batch stride too), are then the same for every length,
+    so a module compiled over slices of x compiles once for all lengths."""
+    x = torch.randn(1, max(tokens, row_tokens), dim)[:, :tokens].detach().requires_grad_()
     module(x).sum().backward()  # compiles (once per shape)
     y = module(x)
     grad = torch.ones_like(y)

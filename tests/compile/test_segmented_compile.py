@@ -12,6 +12,7 @@ CPU reference (chunk_kda_torch), compiled inside the segment.
 """
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +24,10 @@ from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
 
 SEGMENT = 128
+# The most segments any test here runs: every input is (a slice of) a row of as many positions,
+# so all share one set of strides and the compiled segments serve every test without a recompile.
+MAX_SEGMENTS = 8
+LAYER = {"kda": "0", "mla": "1"}
 # Rows of d an added position may add to the backward's peak. KDA: its input gradient (the
 # segment's and the concatenation's) and the incoming gradient, 3 (as for MoE chunks); measured
 # 1 by segments, 18.7 compiled whole. MLA by key segments (ops/key_segment_attention.py): the
@@ -47,8 +52,10 @@ class FullAC(torch.nn.Module):
         return checkpoint(self.mixer, x, use_reentrant=False)
 
 
-def _model() -> TitanMoE:
-    """A two-layer model by segments of SEGMENT (layer 0 KDA, layer 1 MLA), not yet compiled."""
+@pytest.fixture(scope="module")
+def mixers() -> Iterator[dict[str, tuple[torch.nn.Module, torch.nn.Module]]]:
+    """kind -> (eager mixer, compiled mixer) of one two-layer model by segments of SEGMENT
+    (layer 0 KDA, layer 1 MLA), compiled once for every test here."""
     args = TitanMoEArgs(
         vocab_size=64, dim=256, n_layers=2, mla_layers=(2,), n_dense_layers=1, n_experts=4,
         top_k=2, seq_segment=SEGMENT,
@@ -57,16 +64,21 @@ def _model() -> TitanMoE:
     torch.manual_seed(0)
     model = TitanMoE(args)
     model.init_weights()
-    return model
+    eager = {kind: copy.deepcopy(model.layers[layer].mixer) for kind, layer in LAYER.items()}
+    apply_compile(model, "inductor", set())
+    # Scalar C++ kernels (simdlen 1) shorten the cold CPU compile (as in tests/parity): what is
+    # checked here, the graphs' split by segments, their buffers and their results, is decided
+    # before C++ code generation. The mixers compile lazily, in the tests: patched for all.
+    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+        yield {kind: (eager[kind], model.layers[layer].mixer) for kind, layer in LAYER.items()}
 
 
 @pytest.mark.parametrize("kind", ["kda", "mla"])
-def test_compiled_mixer_segments_bound_the_backward(kind):
-    model = _model()
-    apply_compile(model, "inductor", set())
-    mixer = FullAC(model.layers["1" if kind == "mla" else "0"].mixer)
-    short, long = (backward_peak(mixer, n * SEGMENT, model.args.dim) for n in (4, 8))
-    allowed = ROWS_PER_POSITION[kind] * 4 * model.args.dim * 4 * SEGMENT
+def test_compiled_mixer_segments_bound_the_backward(mixers, kind):
+    mixer = FullAC(mixers[kind][1])
+    dim = mixer.mixer.w_o.out_features
+    short, long = (backward_peak(mixer, n * SEGMENT, dim, MAX_SEGMENTS * SEGMENT) for n in (4, 8))
+    allowed = ROWS_PER_POSITION[kind] * 4 * dim * 4 * SEGMENT
     assert long - short <= allowed, (short, long, allowed)
 
 
@@ -76,17 +88,15 @@ RTOL, ATOL = 1e-4, 1e-5
 
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 @pytest.mark.parametrize("segments", [1, 4])
-def test_compiled_segments_match_the_eager_mixer(kind, segments):
+def test_compiled_segments_match_the_eager_mixer(mixers, kind, segments):
     """Per segment (and, over one segment, KDA's whole body) the compiled mixer computes what the
     eager one does: outputs and input gradients."""
-    model = _model()
-    eager = copy.deepcopy(model.layers["1" if kind == "mla" else "0"].mixer)
-    apply_compile(model, "inductor", set())
-    compiled = model.layers["1" if kind == "mla" else "0"].mixer
-    x = torch.randn(1, segments * SEGMENT, model.args.dim)
+    eager, compiled = mixers[kind]
+    dim = eager.w_o.out_features
+    row = torch.randn(1, MAX_SEGMENTS * SEGMENT, dim)
     results = []
     for mixer in (eager, compiled):
-        xi = x.clone().requires_grad_()
+        xi = row[:, :segments * SEGMENT].detach().requires_grad_()
         y = mixer(xi)
         y.square().sum().backward()
         results.append((y.detach(), xi.grad))

@@ -25,7 +25,10 @@ def test_vision_tower_eager_matches_compiled():
     pos = torch.randint(0, 6, (2, p, 2), generator=g)
     image = torch.full((2, p), -1)  # two images in row 0, one in row 1, padding slots after
     image[0, :16], image[0, 16:40], image[1, :8] = 0, 1, 0
-    compiled = torch.compile(tower, fullgraph=True, options=inductor_options(PASS_NAMES))
+    # Scalar C++ kernels (simdlen 1) shorten the cold CPU compile (as in test_model_parity.py):
+    # the passes act on the FX graph, before C++ code generation.
+    compiled = torch.compile(tower, fullgraph=True,
+                             options=inductor_options(PASS_NAMES) | {"cpp.simdlen": 1})
     outs, grads = [], []
     for fn in (tower, compiled):
         x = patches.clone().requires_grad_()
