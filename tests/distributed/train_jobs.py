@@ -32,8 +32,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,13 +209,12 @@ def main(jobs_file: str) -> None:
     # Imported before any job: it keeps torchtitan's clip_grad_norm_ as imported, before a
     # trainer job's step guard takes it over.
     import tests.distributed.harness  # noqa: F401
+    from tests.faults.trainer_process import NoSleep
     from titan_moe.train.trainer import _single_process_env, exit_past_gloo_threads
 
     init_logger()
     _single_process_env()
-    # torchtitan.train's `time`, less its sleep (the module's only use of time.sleep).
-    torchtitan.train.time = types.SimpleNamespace(perf_counter=time.perf_counter,
-                                                  sleep=lambda seconds: None)
+    torchtitan.train.time = NoSleep()
     for job in json.loads(Path(jobs_file).read_text()):
         if job["harness"] is not None:
             run_harness(Path(job["dump"]), **job["harness"])
