@@ -19,7 +19,8 @@ E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB 
 Prints a table and writes JSON (--out); --profile N adds each row's N largest kernels of one
 forward+backward by device time (where ours loses to torchtitan's), its device time by kernel
 class with the idle rest, and the host's time to issue it (close to the f+b time: the row is
-host-bound, and fewer launches or CUDA graphs pay, not faster kernels). torchtitan's MoE is timed
+host-bound, and fewer launches or CUDA graphs pay, not faster kernels); --trace also writes that
+call's chrome trace, whose host side bench/trace_host.py reads. torchtitan's MoE is timed
 on CUDA only: its router calls torch.histc on int64, which has no CPU kernel.
 The router alone: bench/qb_route.py.
 """
@@ -28,6 +29,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from report import environment
@@ -113,9 +115,11 @@ def time_rounds(calls: dict[str, tuple[Callable, Callable]], device: str, warmup
     return rows
 
 
-def profiled(fwd_bwd: Callable, fwd_bwd_ms: float, device: str, iters: int, top: int) -> dict:
-    """--profile's figures for a row: its top kernels, device time by class, host issue time."""
-    profile = device_profile(fwd_bwd, fwd_bwd_ms, top=top)
+def profiled(fwd_bwd: Callable, fwd_bwd_ms: float, device: str, iters: int, top: int,
+             trace: Path | None = None) -> dict:
+    """--profile's figures for a row: its top kernels, device time by class, host issue time;
+    trace: the profiled call's chrome trace is also written there."""
+    profile = device_profile(fwd_bwd, fwd_bwd_ms, top=top, trace=trace)
     return {"profile": profile["top"],
             "classes": [{k: c[k] for k in ("class", "ms", "share")} for c in profile["by_class"]],
             "host_fwd_bwd_ms": host_issue_ms(fwd_bwd, device, iters)}
@@ -136,6 +140,10 @@ def main() -> None:
                         help="CUDA: also compiled with CUDA graphs (rows 'graphed')")
     parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
                         help="CUDA: list each row's N largest kernels of one forward+backward")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile: also write each row's profiled forward+backward as "
+                             "a chrome trace beside --out (trace-moe-<layer>-<d>-<E>-<mode>"
+                             ".json.gz), for bench/trace_host.py and bench/trace_gaps.py")
     parser.add_argument("--passes", nargs="*", metavar="PASS", default=list(PASS_NAMES),
                         help=f"our Inductor passes on our compiled layer ({', '.join(PASS_NAMES)});"
                              " none after the flag turns them off. Default: all, as "
@@ -154,6 +162,8 @@ def main() -> None:
         parser.error(str(e))
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split(",")) for s in opts.shapes.split(";")]
+    if opts.trace and not opts.profile:
+        parser.error("--trace: the trace is of --profile's call; give --profile N")
     if opts.graphs and opts.device != "cuda":
         parser.error("--graphs: CUDA graphs need --device cuda")
     modes = ["eager"] + ([] if opts.no_compile else ["compiled"]) + (
@@ -178,8 +188,11 @@ def main() -> None:
                 for kind in group:
                     r = timed_rows[kind]
                     if opts.profile and opts.device == "cuda":
+                        trace = (Path(opts.out).parent /
+                                 f"trace-moe-{kind}-{shape[0]}-{shape[2]}-{mode}.json.gz"
+                                 if opts.trace else None)
                         r.update(profiled(calls[kind][1], r["fwd_bwd_ms"], opts.device,
-                                          opts.iters, opts.profile))
+                                          opts.iters, opts.profile, trace))
                     rows.append({"layer": kind, "shape": shape, "mode": mode, **r})
                     spread = (f"  (f+b rounds {min(r['fwd_bwd_ms_rounds']):.3f}"
                               f"-{max(r['fwd_bwd_ms_rounds']):.3f})" if opts.rounds > 1 else "")

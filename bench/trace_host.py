@@ -9,7 +9,9 @@ the step in. With --under it sums the ops `--depth` levels below every op whose 
 NAME (say "titan_moe::fla_kda_fwd", or "autograd::engine::evaluate_function:
 CompiledFunctionBackward" with --depth 3 for the kernels each backward launches); what the
 children leave of their parent's time is Python or C++ outside any profiled op. Runtime calls
-(launches, synchronisations) count as ops, so a host sync shows as its cudaStreamSynchronize.
+(launches, synchronisations) count as ops, so a host sync shows as its cudaStreamSynchronize;
+without --under each thread's runtime calls are also summed by name, at any depth (how many
+kernels it launched).
 bench/trace_gaps.py reads the same trace from the GPU's side.
 """
 
@@ -48,6 +50,21 @@ def outermost(events: list[dict]) -> dict[tuple, tuple[float, Counter, Counter]]
     return result
 
 
+def runtime_calls(events: list[dict]) -> dict[tuple, tuple[Counter, Counter]]:
+    """thread -> (µs by CUDA runtime / driver call name, calls by name): the launches, copies
+    and synchronisations a thread made, at any depth. Two steps that differ in host time but
+    not in their outermost ops differ here: in how many kernels they launch."""
+    result = {}
+    for thread, ops in _threads(events).items():
+        time, calls = Counter(), Counter()
+        for e in ops:
+            if e["cat"] in ("cuda_runtime", "cuda_driver"):
+                time[e["name"]] += e["dur"]
+                calls[e["name"]] += 1
+        result[thread] = (time, calls)
+    return result
+
+
 def under(events: list[dict], prefix: str, depth: int = 1) -> tuple[int, float, Counter, Counter]:
     """(calls of the ops named prefix..., their µs, µs and calls by the name of the ops `depth`
     levels below them). An op nested in another op of the prefix counts under the outer one."""
@@ -83,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--depth must be >= 1, got {opts.depth}")
     events = load_events(opts.trace)
     if opts.under is None:
+        runtime = runtime_calls(events)
         for thread, (span, time, calls) in outermost(events).items():
             print(f"thread {thread[1]}: span {span / 1e3:.1f} ms, in outermost ops "
                   f"{sum(time.values()) / 1e3:.1f} ms")
             _table(time, calls, opts.top)
+            r_time, r_calls = runtime[thread]
+            print(f"  runtime calls: {sum(r_calls.values())}, {sum(r_time.values()) / 1e3:.2f} ms")
+            _table(r_time, r_calls, opts.top)
         return 0
     n, total, time, calls = under(events, opts.under, opts.depth)
     print(f"{opts.under}: {n} calls, {total / 1e3:.2f} ms; ops {opts.depth} level(s) below: "

@@ -41,6 +41,15 @@ def test_outermost_ops_and_span_of_each_thread(trace_host):
     assert span == 50 and time == Counter({"autograd::engine::evaluate_function: X": 50})
 
 
+def test_runtime_calls_of_each_thread_at_any_depth(trace_host):
+    threads = trace_host.runtime_calls(EVENTS + [_x("cuda_driver", "cuLaunchKernel", 130, 3),
+                                                  _x("cuda_runtime", "cudaLaunchKernel", 80, 4)])
+    time, calls = threads[(0, 1)]
+    assert time == Counter({"cudaLaunchKernel": 6, "cuLaunchKernel": 3})
+    assert calls == Counter({"cudaLaunchKernel": 2, "cuLaunchKernel": 1})
+    assert threads[(0, 2)] == (Counter(), Counter())
+
+
 def test_ops_below_a_named_op_by_level(trace_host):
     n, total, time, calls = trace_host.under(EVENTS, "Region A", depth=1)
     assert (n, total) == (2, 130)
