@@ -11,6 +11,7 @@ events (backward_peak.py).
 import torch
 
 from tests.compile.backward_peak import backward_peak
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
@@ -32,9 +33,7 @@ def test_compiled_moe_chunks_bound_the_backward():
     model.init_weights()
     apply_compile(model, "inductor", set())
     ffn = model.layers["1"].ffn
-    # Scalar C++ kernels (simdlen 1) shorten the cold CPU compile (as in tests/parity): the graphs'
-    # split by chunks and their buffers are decided before C++ code generation.
-    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+    with scalar_cpp():
         short, long = (backward_peak(ffn, n * CHUNK, args.dim) for n in (2, 4))
     allowed = ROWS_PER_TOKEN * 4 * args.dim * 2 * CHUNK
     assert long - short <= allowed, (short, long, allowed)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torchtitan.distributed import ParallelDims
 
 from compile_passes.registry import PASS_NAMES, matched_counts
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import parallelize_titan_moe
@@ -112,11 +113,9 @@ def _compiled_training_step(tmp_path: Path, compile_lines: str) -> dict[str, int
     tokens = torch.randint(0, args.vocab_size, (2, config.training.seq_len + 1))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    # A cache hit would replay an earlier compile without running the passes. Scalar C++
-    # kernels (simdlen 1) shorten the cold CPU compile (as in tests/parity); the passes act on the
-    # FX graph, before C++ code generation.
+    # A cache hit would replay an earlier compile without running the passes.
     with (
-        torch._inductor.config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}),
+        scalar_cpp(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
         logits = model(tokens[:, :-1])

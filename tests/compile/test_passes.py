@@ -11,17 +11,15 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from compile_passes import registry
 from compile_passes.inspect import inspect_compile
 from compile_passes.registry import FusionPasses, matched_counts
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.norm import RMSNorm
 from titan_moe.model.situ_glu import situ_glu
 from titan_moe.ops.situ_glu import situ_glu_packed
 
 RTOL = 1e-5  # fp32 compiled vs eager, relative to each tensor's largest magnitude
-# Scalar C++ kernels (simdlen 1) shorten Inductor's cold CPU compile (as in tests/parity): the
-# AttnRes tests check the pass's matches and graphs, made before C++ code generation, and
-# gradients, which do not hang on the kernels' vector width. The SiTU-GLU tests, which count
-# the generated kernels, keep the default.
-scalar_cpp = torch._inductor.config.patch({"cpp.simdlen": 1})
+# The AttnRes tests run with scalar C++ kernels (tests/scalar_cpp.py); the SiTU-GLU tests, which
+# count the generated kernels, keep the default.
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,7 +83,7 @@ SITE_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", SITE_LAYOUTS)
-@scalar_cpp
+@scalar_cpp()
 def test_attn_res_pass_fires_and_preserves_gradients(layout):
     param_dtype, dtypes = SITE_LAYOUTS[layout]
     site = AttnResSite(16).to(param_dtype)
@@ -101,7 +99,7 @@ def test_attn_res_pass_fires_and_preserves_gradients(layout):
 
 
 
-@scalar_cpp
+@scalar_cpp()
 def test_attn_res_pass_compiles_dynamic_shapes_and_matches_eager():
     """Under dynamic shapes the site's stacked sources have SymInt sizes, which do not hash: the
     pass's signature scan crashed the compile ("unhashable type: non-nested SymInt"). Its
@@ -183,7 +181,7 @@ CUDA_REWRITES = {
 
 
 @pytest.mark.parametrize("rewrite", CUDA_REWRITES)
-@scalar_cpp
+@scalar_cpp()
 def test_attn_res_pass_matches_the_cuda_graph(rewrite):
     rewrite_fn, dtype, tol = CUDA_REWRITES[rewrite]
     torch.manual_seed(0)
@@ -198,7 +196,7 @@ def test_attn_res_pass_matches_the_cuda_graph(rewrite):
         assert _rel(c, e) < tol
 
 
-@scalar_cpp
+@scalar_cpp()
 def test_noop_conversions_alone_stop_the_match(monkeypatch):
     """The control of the test above: without dropping them, the same graph matches nothing."""
     monkeypatch.setattr(registry, "drop_noop_conversions", lambda graph: 0)

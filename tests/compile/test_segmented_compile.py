@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.compile.backward_peak import backward_peak
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
@@ -66,10 +67,8 @@ def mixers() -> Iterator[dict[str, tuple[torch.nn.Module, torch.nn.Module]]]:
     model.init_weights()
     eager = {kind: copy.deepcopy(model.layers[layer].mixer) for kind, layer in LAYER.items()}
     apply_compile(model, "inductor", set())
-    # Scalar C++ kernels (simdlen 1) shorten the cold CPU compile (as in tests/parity): what is
-    # checked here, the graphs' split by segments, their buffers and their results, is decided
-    # before C++ code generation. The mixers compile lazily, in the tests: patched for all.
-    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+    # The mixers compile lazily, in the tests: patched for all.
+    with scalar_cpp():
         yield {kind: (eager[kind], model.layers[layer].mixer) for kind, layer in LAYER.items()}
 
 

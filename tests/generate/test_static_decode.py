@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import titan_moe.model.mla as mla_module
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.kda import StaticKDAState
 from titan_moe.model.mla import GatedMLA, StaticMLACache
 from titan_moe.ops.key_segment_attention import key_segment_attention
@@ -24,10 +25,6 @@ from titan_moe.serve.generate import Generator, Sampling, Session
 from titan_moe.serve.static_decode import StaticGenerator, StaticSession, cache_bytes
 
 RTOL = 1e-4
-# Scalar C++ kernels (simdlen 1) shorten Inductor's cold CPU compile (as in tests/parity): what
-# the inductor tests check (one compile, no graph break, the step's results against the eager
-# step and the full forward) does not hang on the kernels' vector width.
-scalar_cpp = torch._inductor.config.patch({"cpp.simdlen": 1})
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,7 +122,7 @@ def test_stops_and_inactive_rows_match_the_dynamic_session(model):
 
 
 @pytest.mark.slow
-@scalar_cpp
+@scalar_cpp()  # one compile, no graph break, results against eager
 def test_inductor_step_compiles_once_and_equals_full_forward(model):
     """The inductor-compiled step (the GPU's, less CUDA graphs): one compile over 40 steps of
     2 ragged rows, no graph break, outputs within RTOL of the full forward. Two rows, as in
@@ -199,7 +196,7 @@ def test_reset_reuses_the_compiled_step(model):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@scalar_cpp
+@scalar_cpp()  # one compile, no graph break, results against eager
 def test_sessions_of_every_max_len_share_one_compile(model, backend):
     """Sessions of one batch size and different max_len (new buffers each, the slot dim
     dynamic, no identity guard on them) run one compiled step: one compile in all, each

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model import token_chunks
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.router import Router
@@ -13,10 +14,6 @@ from titan_moe.ops.router import topk_lowest_index_on_ties
 
 FLOAT64_TOL = 1e-10
 COMPILE_TOL = 1e-5  # float32, relative to the largest magnitude of the tensor (at least 1)
-# Scalar C++ kernels (simdlen 1) shorten Inductor's cold CPU compile (as in tests/parity): what the
-# compile tests check (one fullgraph trace, results against eager) does not hang on the kernels'
-# vector width.
-scalar_cpp = torch._inductor.config.patch({"cpp.simdlen": 1})
 BETA1, BETA2 = 4.0, 25.0
 
 
@@ -210,7 +207,7 @@ def test_init_weights_initialises_every_expert():
     assert torch.equal(moe.router.expert_bias, torch.zeros(8))
 
 
-@scalar_cpp
+@scalar_cpp()  # one fullgraph trace and results against eager
 def test_compiled_fullgraph_matches_eager_float32_forward_and_backward():
     """fullgraph=True: the whole layer (routing, dispatch, experts, combine) is one graph."""
     moe = _small_moe(n_shared=1, seed=6, dtype=torch.float32)
@@ -286,7 +283,7 @@ def test_token_chunks_match_unchunked_outputs_gradients_and_qb_stats(outer_ac: b
     assert chunked.router.expert_load.sum().item() == valid.sum().item() * plain.top_k
 
 
-@scalar_cpp
+@scalar_cpp()  # one fullgraph trace and results against eager
 def test_token_chunks_compile_fullgraph_and_match_eager_in_full_ac():
     """The chunk checkpoints trace as HOPs inside one graph; around it an eager full-AC
     checkpoint re-runs the compiled forward in backward, as the trainer does."""

@@ -7,6 +7,7 @@ import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.ops.kda import chunk_kda, chunk_kda_torch, kda_gate, naive_recurrent_kda
 
 EXACT_RTOL = 1e-10  # chunked vs recurrence, float64
@@ -160,8 +161,7 @@ def test_compiled_matches_eager():
     kwargs = dict(output_final_state=True, cu_seqlens=offsets)
     o, s = chunk_kda_torch(q, k, v, g, beta, **kwargs)
     compiled = torch.compile(chunk_kda_torch, fullgraph=True, dynamic=False)
-    # Scalar C++ kernels halve the cold CPU compile; tracing and lowering are what is tested.
-    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+    with scalar_cpp():  # tracing and lowering are what is tested
         o_c, s_c = compiled(q, k, v, g, beta, **kwargs)
     assert rel_err(o_c, o) <= COMPILE_RTOL
     assert rel_err(s_c, s) <= COMPILE_RTOL

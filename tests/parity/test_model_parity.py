@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compile_passes.registry import PASS_NAMES, inductor_options, matched_counts
+from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
@@ -126,10 +127,9 @@ def runs() -> dict:
     doc_ids = torch.tensor([[0] * 20 + [1] * 44, [0] * SEQ_LEN])  # a document starts mid-chunk
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    # No cache hits: the pass counters must see this compile. Scalar C++ kernels (simdlen 1)
-    # halve the cold CPU compile; the passes act on the FX graph, before C++ code generation.
+    # No cache hits: the pass counters must see this compile.
     with (
-        torch._inductor.config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}),
+        scalar_cpp(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
         compiled = torch.compile(compiled_model, fullgraph=True,

@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from compile_passes.registry import PASS_NAMES, inductor_options
+from tests.scalar_cpp import SCALAR_CPP
 from titan_moe.model.args import VISION_FLAVORS
 from titan_moe.model.vision import VisionTower
 
@@ -25,10 +26,8 @@ def test_vision_tower_eager_matches_compiled():
     pos = torch.randint(0, 6, (2, p, 2), generator=g)
     image = torch.full((2, p), -1)  # two images in row 0, one in row 1, padding slots after
     image[0, :16], image[0, 16:40], image[1, :8] = 0, 1, 0
-    # Scalar C++ kernels (simdlen 1) shorten the cold CPU compile (as in test_model_parity.py):
-    # the passes act on the FX graph, before C++ code generation.
     compiled = torch.compile(tower, fullgraph=True,
-                             options=inductor_options(PASS_NAMES) | {"cpp.simdlen": 1})
+                             options=inductor_options(PASS_NAMES) | SCALAR_CPP)
     outs, grads = [], []
     for fn in (tower, compiled):
         x = patches.clone().requires_grad_()
