@@ -58,6 +58,16 @@ def test_ops_match_float64_reference_at_proxy_shape():
         assert report[key] <= bound, (key, report[key], bound)
 
 
+def test_eager_cuda_calls_skip_the_dispatcher():
+    """Eager CUDA calls run the ops' bodies in their direct autograd Functions
+    (titan_moe.ops.direct_call), not through torch.library's dispatch."""
+    z, expert_out, weights, dest, src, _, _ = proxy_inputs(n_tokens=64, n_experts=16, width=96)
+    grouped = moe_dispatch(z.requires_grad_(), dest, src, 8)
+    u = moe_combine(expert_out.nan_to_num().requires_grad_(), dest, src, weights)
+    for out in (grouped, u):
+        assert "_direct" in type(out.grad_fn).__name__, type(out.grad_fn).__name__
+
+
 def test_combine_in_bf16_is_the_fp32_combine_rounded_on_cuda():
     """The layer's combine writes u in bf16: bit for bit the fp32 combine rounded to nearest,
     and its gradients from the bf16 du exactly those of the fp32 combine from du widened."""

@@ -88,6 +88,14 @@ def test_compiled_graphs_take_the_reference_and_eager_takes_the_op():
     assert any("situ_glu_fwd_kernel" in k for k in kernels), kernels
 
 
+def test_eager_cuda_calls_skip_the_dispatcher():
+    """Eager CUDA calls run the ops' bodies in their direct autograd Functions
+    (titan_moe.ops.direct_call), not through torch.library's dispatch."""
+    a = torch.randn(8, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for h in (situ_glu(a, a, BETA1, BETA2), situ_glu_packed(a, BETA1, BETA2)):
+        assert "_direct" in type(h.grad_fn).__name__, type(h.grad_fn).__name__
+
+
 class _Packed(torch.nn.Module):
     def forward(self, ab: torch.Tensor) -> torch.Tensor:
         return situ_glu_packed(ab, BETA1, BETA2)

@@ -111,12 +111,37 @@ def compare_with_reference(dispatch, combine, tensors) -> dict:
     }
 
 
-def run_case(n_tokens, top_k, n_experts, align, width, dtype) -> dict:
-    """The Triton ops (interpreted) against the float64 reference."""
-    from titan_moe.ops.moe_dispatch import moe_combine_triton, moe_dispatch_triton
+PATHS = ("op", "direct")
 
-    return compare_with_reference(moe_dispatch_triton, moe_combine_triton,
-                                  make_inputs(n_tokens, top_k, n_experts, align, width, dtype))
+
+def ops_of(path: str) -> tuple:
+    """(dispatch, combine, layout after the sort): the triton_ops, or their direct eager calls
+    (titan_moe.ops.direct_call), each taking its inputs in full."""
+    from titan_moe.ops import moe_dispatch as ops
+
+    if path == "op":
+        return ops.moe_dispatch_triton, ops.moe_combine_triton, ops.dispatch_layout_rows_triton
+    return (ops.moe_dispatch_call,
+            lambda e, d, s, w, out_dtype=None: ops.moe_combine_call(e, d, s, w, out_dtype),
+            ops.dispatch_layout_rows_call)
+
+
+def run_case(n_tokens, top_k, n_experts, align, width, dtype, path) -> dict:
+    """The Triton ops (interpreted) against the float64 reference, and the autograd nodes of
+    their outputs (the direct calls' own Functions, or the dispatcher's)."""
+    dispatch, combine, _ = ops_of(path)
+    nodes = []
+
+    def noted(op):
+        def call(*args):
+            out = op(*args)
+            nodes.append(type(out.grad_fn).__name__)
+            return out
+        return call
+
+    report = compare_with_reference(noted(dispatch), noted(combine),
+                                    make_inputs(n_tokens, top_k, n_experts, align, width, dtype))
+    return {**report, "nodes": nodes}
 
 
 def compare_out_dtype(combine, tensors) -> dict:
@@ -139,10 +164,8 @@ def compare_out_dtype(combine, tensors) -> dict:
             "grads_equal": [bool(torch.equal(g, w)) for g, w in zip(got, want, strict=True)]}
 
 
-def run_out_dtype_case(n_tokens, top_k, n_experts, align, width, dtype) -> dict:
-    from titan_moe.ops.moe_dispatch import moe_combine_triton
-
-    return compare_out_dtype(moe_combine_triton,
+def run_out_dtype_case(n_tokens, top_k, n_experts, align, width, dtype, path) -> dict:
+    return compare_out_dtype(ops_of(path)[1],
                              make_inputs(n_tokens, top_k, n_experts, align, width, dtype))
 
 
@@ -155,20 +178,23 @@ def layout_pairs(n_pairs: int, n_experts: int, draw: str, seed: int = 0) -> torc
     return torch.where(pairs == 2, 1, pairs)
 
 
-def compare_layout(pair_expert: torch.Tensor, n_experts: int, align: int) -> dict:
-    """The Triton op after the sort (any device) against the reference's layout."""
+def compare_layout(pair_expert: torch.Tensor, n_experts: int, align: int,
+                   layout_rows_op=None) -> dict:
+    """The Triton op after the sort (any device; by default the triton_op) against the
+    reference's layout."""
     from titan_moe.ops.moe_dispatch import dispatch_layout_rows_triton, layout_rows, sort_pairs
 
     want = dispatch_layout_naive(pair_expert, n_experts, align)
     sorted_key, order = sort_pairs(pair_expert, n_experts)
-    got = dispatch_layout_rows_triton(sorted_key, order, n_experts, align,
-                                      layout_rows(pair_expert.numel(), n_experts, align))
+    got = (layout_rows_op or dispatch_layout_rows_triton)(
+        sorted_key, order, n_experts, align, layout_rows(pair_expert.numel(), n_experts, align))
     return {name: bool(g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu()))
             for name, g, w in zip(("dest", "src", "offs"), got, want, strict=True)}
 
 
-def run_layout_case(n_pairs, n_experts, align, draw) -> dict:
-    return compare_layout(layout_pairs(n_pairs, n_experts, draw), n_experts, align)
+def run_layout_case(n_pairs, n_experts, align, draw, path) -> dict:
+    return compare_layout(layout_pairs(n_pairs, n_experts, draw), n_experts, align,
+                          ops_of(path)[2])
 
 
 def run_opcheck() -> dict:
@@ -210,10 +236,12 @@ def run_opcheck() -> dict:
             for name, outcome in report.items()}
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", CASES)
-def test_ops_match_float64_reference_under_interpreter(results, name):
-    report = results[name]
+def test_ops_match_float64_reference_under_interpreter(results, name, path):
+    report = results[f"{name}-{path}"]
     assert "error" not in report, report["error"]
+    assert [("_direct" in node) for node in report.pop("nodes")] == [path == "direct"] * 2
     assert report["dtypes_ok"] and report["grouped_exact"] and report["untaken_grad_zero"], report
     rows_bound = BF16_RTOL if CASES[name][5] == torch.bfloat16 else FP32_RTOL
     bounds = {"dz": rows_bound, "dexpert_out": rows_bound, "u": FP32_RTOL,
@@ -222,16 +250,18 @@ def test_ops_match_float64_reference_under_interpreter(results, name):
         assert report[key] <= bound, (key, report[key], bound)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", LAYOUT_CASES)
-def test_layout_op_equals_reference_under_interpreter(results, name):
-    report = results[name]
+def test_layout_op_equals_reference_under_interpreter(results, name, path):
+    report = results[f"{name}-{path}"]
     assert "error" not in report, report["error"]
     assert report == {"dest": True, "src": True, "offs": True}, report
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", OUT_DTYPE_CASES)
-def test_combine_in_bf16_is_the_fp32_combine_rounded_under_interpreter(results, name):
-    report = results[f"out-dtype-{name}"]
+def test_combine_in_bf16_is_the_fp32_combine_rounded_under_interpreter(results, name, path):
+    report = results[f"out-dtype-{name}-{path}"]
     assert "error" not in report, report["error"]
     report.pop("u_equal")  # the interpreter truncates where CUDA rounds to nearest
     assert report == {"u_dtype": "torch.bfloat16", "u_rounded_or_truncated": True,
@@ -295,6 +325,9 @@ def test_dispatcher_takes_the_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch_module, "moe_dispatch_triton", refuse)
     monkeypatch.setattr(dispatch_module, "moe_combine_triton", refuse)
     monkeypatch.setattr(dispatch_module, "dispatch_layout_rows_triton", refuse)
+    monkeypatch.setattr(dispatch_module, "moe_dispatch_call", refuse)
+    monkeypatch.setattr(dispatch_module, "moe_combine_call", refuse)
+    monkeypatch.setattr(dispatch_module, "dispatch_layout_rows_call", refuse)
     pair_expert = layout_pairs(30, 5, "random")
     for got, want in zip(dispatch_layout(pair_expert, 5, 8),
                          dispatch_layout_naive(pair_expert, 5, 8), strict=True):
@@ -329,8 +362,10 @@ def test_bad_inputs_name_the_field(z_shape, dest_len, src_shape, w_shape, field)
 
 
 if __name__ == "__main__":
-    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
-    reports.update({f"out-dtype-{name}": guarded(run_out_dtype_case, *CASES[name])
-                    for name in OUT_DTYPE_CASES})
-    reports.update({name: guarded(run_layout_case, *case) for name, case in LAYOUT_CASES.items()})
+    reports = {f"{name}-{path}": guarded(run_case, *case, path)
+               for name, case in CASES.items() for path in PATHS}
+    reports.update({f"out-dtype-{name}-{path}": guarded(run_out_dtype_case, *CASES[name], path)
+                    for name in OUT_DTYPE_CASES for path in PATHS})
+    reports.update({f"{name}-{path}": guarded(run_layout_case, *case, path)
+                    for name, case in LAYOUT_CASES.items() for path in PATHS})
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

@@ -59,13 +59,21 @@ def make_inputs(n_tokens, n_experts, kind, with_valid, dtype, seed=0):
     return logits, bias, valid
 
 
-def run_case(n_tokens, n_experts, k, route_scale, n_bins, kind, with_valid, with_hist, dtype):
-    from titan_moe.ops.router import qb_route_triton
+# The cases the direct eager call (qb_route_call: the op's body without the dispatcher, see
+# titan_moe.ops.direct_call) also runs: it shares the op's body and gradient, so two cases, fp32
+# and bf16, check the wiring.
+DIRECT_CASES = ("T37-E12-k3-valid", "E64-k8-T130-bf16")
+
+
+def run_case(n_tokens, n_experts, k, route_scale, n_bins, kind, with_valid, with_hist, dtype,
+             path="op"):
+    from titan_moe.ops.router import qb_route_call, qb_route_triton
 
     logits, bias, valid = make_inputs(n_tokens, n_experts, kind, with_valid, dtype)
     want = qb_route_naive(logits.requires_grad_(), bias, k, route_scale, n_bins, valid, with_hist)
     ours = logits.detach().clone().requires_grad_()
-    got = qb_route_triton(ours, bias, valid, k, route_scale, n_bins, with_hist)
+    op = qb_route_triton if path == "op" else qb_route_call
+    got = op(ours, bias, valid, k, route_scale, n_bins, with_hist)
     report = {name: bool(torch.equal(g.detach(), w.detach().to(g.dtype)))
               for name, g, w in zip(("ids", "weights", "hist", "load"), got, want, strict=True)}
     report["shapes"] = [list(t.shape) for t in got] == [list(t.shape) for t in want]
@@ -74,6 +82,7 @@ def run_case(n_tokens, n_experts, k, route_scale, n_bins, kind, with_valid, with
     (want_grad,) = torch.autograd.grad((want[1] * grad_out).sum(), logits)
     (got_grad,) = torch.autograd.grad((got[1] * grad_out).sum(), ours)
     report["grad_dtype_ok"] = got_grad.dtype == dtype
+    report["node_of_path"] = ("_direct" in type(got[1].grad_fn).__name__) == (path == "direct")
     report["grad_rel"] = ((got_grad.double() - want_grad.double()).norm()
                           / want_grad.double().norm()).item()
     return report
@@ -164,6 +173,14 @@ def test_op_equals_reference_under_interpreter(results, name):
     equal = {key: value for key, value in results[name].items() if key != "grad_rel"}
     assert equal.get("error") is None and all(equal.values()), equal
     assert results[name]["grad_rel"] <= FP32_GRAD_RTOL
+
+
+@pytest.mark.parametrize("name", DIRECT_CASES)
+def test_direct_call_equals_reference_under_interpreter(results, name):
+    report = results[f"{name}-direct"]
+    equal = {key: value for key, value in report.items() if key != "grad_rel"}
+    assert equal.get("error") is None and all(equal.values()), equal
+    assert report["grad_rel"] <= FP32_GRAD_RTOL
 
 
 def test_opcheck_schema_and_autograd(results):
@@ -268,6 +285,8 @@ def test_bad_counting_names_the_field(counting, n_bins):
 
 if __name__ == "__main__":
     reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
+    reports |= {f"{name}-direct": guarded(run_case, *CASES[name], "direct")
+                for name in DIRECT_CASES}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck),
                       "launch_shapes": guarded(run_launch_shapes),
                       "shared_counting": guarded(run_shared_counting),

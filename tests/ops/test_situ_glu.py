@@ -1,7 +1,9 @@
 """The SiTU-GLU Triton ops, separate and packed (ab = [a | b]), run by Triton's CPU interpreter
 in a child process (see tests/ops/interpreter.py), against the PyTorch reference in float64 on
 the op's own inputs (tests/model/test_situ_glu.py checks the reference against the formula in
-NumPy).
+NumPy). Each case runs both ways: through the triton_op (as compiled graphs and tracers take
+it) and through its direct eager call (`*_call`, titan_moe.ops.direct_call), whose autograd node
+must be the direct Function's, not the dispatcher's.
 
 h, ∂a and ∂b as relative RMS error ||got − want|| / ||want||. Bounds:
   fp32   FP32_RTOL: fp32 arithmetic; the interpreter's tanh comes from exp (no libdevice), which
@@ -37,8 +39,11 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def run_case(shape, dtype, scale) -> dict:
-    from titan_moe.ops.situ_glu import situ_glu_triton
+PATHS = ("op", "direct")
+
+
+def run_case(shape, dtype, scale, path) -> dict:
+    from titan_moe.ops.situ_glu import situ_glu_call, situ_glu_triton
 
     gen = torch.Generator().manual_seed(0)
     a, b, dh = ((torch.randn(shape, generator=gen) * s).to(dtype) for s in (scale, scale, 1.0))
@@ -46,10 +51,11 @@ def run_case(shape, dtype, scale) -> dict:
     want = situ_glu_naive(a64, b64, BETA1, BETA2)
     want_da, want_db = torch.autograd.grad(want, (a64, b64), dh.double())
     ours_a, ours_b = a.clone().requires_grad_(), b.clone().requires_grad_()
-    h = situ_glu_triton(ours_a, ours_b, BETA1, BETA2)
+    h = (situ_glu_triton if path == "op" else situ_glu_call)(ours_a, ours_b, BETA1, BETA2)
+    node = type(h.grad_fn).__name__
     da, db = torch.autograd.grad(h, (ours_a, ours_b), dh)
     return {"h": rel_rms(h, want), "da": rel_rms(da, want_da), "db": rel_rms(db, want_db),
-            "dtypes_ok": (h.dtype, da.dtype, db.dtype) == (dtype,) * 3}
+            "dtypes_ok": (h.dtype, da.dtype, db.dtype) == (dtype,) * 3, "node": node}
 
 
 # name -> (rows, hidden, dtype, input scale): the packed op reads a and b from ab's halves
@@ -68,21 +74,22 @@ def compare_packed(packed_op, ab: torch.Tensor, dh: torch.Tensor) -> dict:
     (want_dab,) = torch.autograd.grad(want, ab64, dh.double())
     ours = ab.clone().requires_grad_()
     h = packed_op(ours, BETA1, BETA2)
+    node = type(h.grad_fn).__name__
     (dab,) = torch.autograd.grad(h, ours, dh)
     return {"h": rel_rms(h, want), "da": rel_rms(dab[:, :hidden], want_dab[:, :hidden]),
             "db": rel_rms(dab[:, hidden:], want_dab[:, hidden:]),
             "shapes_ok": (tuple(h.shape), tuple(dab.shape)) == ((rows, hidden), (rows, 2 * hidden)),
-            "dtypes_ok": (h.dtype, dab.dtype) == (ab.dtype,) * 2}
+            "dtypes_ok": (h.dtype, dab.dtype) == (ab.dtype,) * 2, "node": node}
 
 
-def run_packed_case(rows, hidden, dtype, scale) -> dict:
+def run_packed_case(rows, hidden, dtype, scale, path) -> dict:
     """The packed Triton op (interpreted) against the float64 reference."""
-    from titan_moe.ops.situ_glu import situ_glu_packed_triton
+    from titan_moe.ops.situ_glu import situ_glu_packed_call, situ_glu_packed_triton
 
     gen = torch.Generator().manual_seed(2)
     ab = (torch.randn(rows, 2 * hidden, generator=gen) * scale).to(dtype)
     dh = torch.randn(rows, hidden, generator=gen).to(dtype)
-    return compare_packed(situ_glu_packed_triton, ab, dh)
+    return compare_packed(situ_glu_packed_triton if path == "op" else situ_glu_packed_call, ab, dh)
 
 
 def run_opcheck() -> dict:
@@ -113,20 +120,29 @@ def run_opcheck() -> dict:
     return report
 
 
+def _check_path(report: dict, path: str) -> None:
+    """The direct call's autograd node is its own Function's; the op's is the dispatcher's."""
+    assert ("_direct" in report["node"]) == (path == "direct"), report["node"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", CASES)
-def test_op_matches_float64_reference_under_interpreter(results, name):
-    report = results[name]
+def test_op_matches_float64_reference_under_interpreter(results, name, path):
+    report = results[f"{name}-{path}"]
     assert "error" not in report, report["error"]
     assert report["dtypes_ok"], report
+    _check_path(report, path)
     bound = BF16_RTOL if CASES[name][1] == torch.bfloat16 else FP32_RTOL
     assert max(report[k] for k in ("h", "da", "db")) <= bound, report
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", PACKED_CASES)
-def test_packed_op_matches_float64_reference_under_interpreter(results, name):
-    report = results[name]
+def test_packed_op_matches_float64_reference_under_interpreter(results, name, path):
+    report = results[f"{name}-{path}"]
     assert "error" not in report, report["error"]
     assert report["dtypes_ok"] and report["shapes_ok"], report
+    _check_path(report, path)
     bound = BF16_RTOL if PACKED_CASES[name][2] == torch.bfloat16 else FP32_RTOL
     assert max(report[k] for k in ("h", "da", "db")) <= bound, report
 
@@ -161,6 +177,8 @@ def test_mismatched_inputs_name_the_fields():
 
 
 if __name__ == "__main__":
-    reports = {name: guarded(run_case, *case) for name, case in CASES.items()}
-    reports |= {name: guarded(run_packed_case, *case) for name, case in PACKED_CASES.items()}
+    reports = {f"{name}-{path}": guarded(run_case, *case, path)
+               for name, case in CASES.items() for path in PATHS}
+    reports |= {f"{name}-{path}": guarded(run_packed_case, *case, path)
+                for name, case in PACKED_CASES.items() for path in PATHS}
     print(json.dumps({**reports, "opcheck": guarded(run_opcheck)}))

@@ -7,19 +7,25 @@ rows), laid out like fla's op folders:
     moe_dispatch_triton.py    the Triton ops (titan_moe::moe_dispatch / moe_combine + backwards)
 
 `dispatch_layout`, `moe_dispatch` and `moe_combine` are the entry points: on CUDA the Triton
-ops, elsewhere the reference. The branch is on the device, in Python, before any op is called:
+ops (eagerly their bodies, without the dispatcher: `titan_moe.ops.direct_call`), elsewhere the
+reference. The branch is on the device, in Python, before any op is called:
 Inductor cannot compile user Triton kernels for CPU tensors.
 """
 
 import torch
 from torch import Tensor
 
-from titan_moe.ops.moe_dispatch.layout_triton import dispatch_layout_rows_triton
+from titan_moe.ops.moe_dispatch.layout_triton import (
+    dispatch_layout_rows_call,
+    dispatch_layout_rows_triton,
+)
 from titan_moe.ops.moe_dispatch.moe_dispatch_triton import (
     combine_shape,
     moe_combine_bwd_triton,
+    moe_combine_call,
     moe_combine_triton,
     moe_dispatch_bwd_triton,
+    moe_dispatch_call,
     moe_dispatch_triton,
     validate_moe_dispatch_inputs,
 )
@@ -31,9 +37,10 @@ from titan_moe.ops.moe_dispatch.naive import (
     sort_pairs,
 )
 
-__all__ = ["dispatch_layout", "dispatch_layout_naive", "dispatch_layout_rows_triton",
-           "layout_rows", "moe_combine", "moe_combine_bwd_triton", "moe_combine_naive",
-           "moe_combine_triton", "moe_dispatch", "moe_dispatch_bwd_triton", "moe_dispatch_naive",
+__all__ = ["dispatch_layout", "dispatch_layout_naive", "dispatch_layout_rows_call",
+           "dispatch_layout_rows_triton", "layout_rows", "moe_combine", "moe_combine_bwd_triton",
+           "moe_combine_call", "moe_combine_naive", "moe_combine_triton", "moe_dispatch",
+           "moe_dispatch_bwd_triton", "moe_dispatch_call", "moe_dispatch_naive",
            "moe_dispatch_triton", "sort_pairs"]
 
 
@@ -48,7 +55,7 @@ def dispatch_layout(
         return dispatch_layout_naive(pair_expert, n_experts, align)
     n_rows = layout_rows(pair_expert.numel(), n_experts, align)
     sorted_key, order = sort_pairs(pair_expert, n_experts)
-    return dispatch_layout_rows_triton(sorted_key, order, n_experts, align, n_rows)
+    return dispatch_layout_rows_call(sorted_key, order, n_experts, align, n_rows)
 
 
 def moe_dispatch(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:
@@ -57,7 +64,7 @@ def moe_dispatch(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:
     dtype, zero on the rows no pair takes. See `naive` for the maths."""
     validate_moe_dispatch_inputs(z, dest, src, z.shape[0], top_k)
     if z.is_cuda:
-        return moe_dispatch_triton(z, dest, src, top_k)
+        return moe_dispatch_call(z, dest, src, top_k)
     return moe_dispatch_naive(z, dest, src.shape[0], top_k)
 
 
@@ -72,5 +79,5 @@ def moe_combine(
     backward reads the gradient in out_dtype: no wider copy of u or of its gradient is made."""
     validate_moe_dispatch_inputs(expert_out, dest, src, *combine_shape(weights))
     if expert_out.is_cuda:
-        return moe_combine_triton(expert_out, dest, src, weights, out_dtype)
+        return moe_combine_call(expert_out, dest, src, weights, out_dtype)
     return moe_combine_naive(expert_out, dest, weights, out_dtype)

@@ -18,7 +18,8 @@ CUDA-graphed the layer's host time ran ahead of those tiny kernels: the MoE laye
 about 2.4 ms of host time where the GPU needed 1.5 ms at d 512 (bench/moe.py, 2026-12-06). Two
 launches carry the same integers. `titan_moe::dispatch_layout_rows` is a
 `torch.library.triton_op` (compile sees the kernels); its outputs are integers, with no
-gradient. CUDA only: callers branch on the device (`titan_moe.ops.moe_dispatch`).
+gradient. Eager calls take `dispatch_layout_rows_call` (`titan_moe.ops.direct_call`). CUDA
+only: callers branch on the device (`titan_moe.ops.moe_dispatch`).
 """
 
 import torch
@@ -26,6 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+
+from titan_moe.ops.direct_call import direct_call
 
 BLOCK, WARPS = 1024, 4
 # Binary-search steps over the sorted pairs: positions are int32, so 31 cover any P. A constant,
@@ -91,8 +94,7 @@ def pair_rows_kernel(keys_ptr, order_ptr, bounds_ptr, offs_ptr, dest_ptr, src_pt
     tl.store(src_ptr + pos, tl.where(taken, row_pair, -1), mask=is_row)
 
 
-@triton_op("titan_moe::dispatch_layout_rows", mutates_args={})
-def dispatch_layout_rows_triton(
+def _dispatch_layout_rows(
     sorted_key: Tensor, order: Tensor, n_experts: int, align: int, n_rows: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """sorted_key [P] int16/int32 the pairs' experts sorted (stable), order [P] int64 the sort's
@@ -116,3 +118,8 @@ def dispatch_layout_rows_triton(
             BLOCK=BLOCK, E_STEPS=max(1, n_experts.bit_length()), num_warps=WARPS,
         )  # fmt: skip
     return dest, src, offs
+
+
+dispatch_layout_rows_triton = triton_op("titan_moe::dispatch_layout_rows", mutates_args={})(
+    _dispatch_layout_rows)
+dispatch_layout_rows_call = direct_call(dispatch_layout_rows_triton, _dispatch_layout_rows)

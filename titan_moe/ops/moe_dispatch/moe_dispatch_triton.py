@@ -24,7 +24,9 @@ kernels loop over the row's width in BLOCK_D columns, the gather takes one colum
 program (D is a constexpr: one compile per model width). Fixed launch parameters, no
 autotuning. `titan_moe::moe_dispatch`, `moe_dispatch_bwd`, `moe_combine` and
 `moe_combine_bwd` are `torch.library.triton_op`s (compile sees the kernels), autograd registered
-on the two forwards. CUDA only: callers branch on the device (`titan_moe.ops.moe_dispatch`).
+on the two forwards; eager calls take `moe_dispatch_call` and `moe_combine_call`, the same bodies
+without the dispatcher (`titan_moe.ops.direct_call`). CUDA only: callers branch on the device
+(`titan_moe.ops.moe_dispatch`).
 """
 
 import torch
@@ -32,6 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+
+from titan_moe.ops.direct_call import direct_call
 
 TILE, WARPS = 4096, 4
 MAX_BLOCK_D = 1024
@@ -149,8 +153,7 @@ def _row_blocks(width: int) -> tuple[int, int]:
     return block_d, max(1, TILE // block_d)
 
 
-@triton_op("titan_moe::moe_dispatch", mutates_args=())
-def moe_dispatch_triton(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:
+def _moe_dispatch(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:
     """`naive.moe_dispatch_naive` in one kernel: z [N, d], dest [N·k], src [R] (dest's
     inverse, -1 on rows no pair takes) -> grouped [R, d] in z's dtype."""
     validate_moe_dispatch_inputs(z, dest, src, z.shape[0], top_k)
@@ -178,15 +181,13 @@ def _gather_sum(rows: Tensor, dest: Tensor, weights: Tensor | None, n_tokens: in
     return out
 
 
-@triton_op("titan_moe::moe_dispatch_bwd", mutates_args=())
-def moe_dispatch_bwd_triton(dgrouped: Tensor, dest: Tensor, n_tokens: int, top_k: int) -> Tensor:
+def _moe_dispatch_bwd(dgrouped: Tensor, dest: Tensor, n_tokens: int, top_k: int) -> Tensor:
     """dz [N, d] = Σ_j dgrouped[dest[t·k + j]], in dgrouped's dtype (summed in fp32)."""
     dgrouped, dest = dgrouped.contiguous(), dest.contiguous()
     return _gather_sum(dgrouped, dest, None, n_tokens, top_k, dgrouped.dtype)
 
 
-@triton_op("titan_moe::moe_combine", mutates_args=())
-def moe_combine_triton(
+def _moe_combine(
     expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
@@ -200,8 +201,7 @@ def moe_combine_triton(
     return _gather_sum(expert_out, dest, weights, n_tokens, top_k, dtype)
 
 
-@triton_op("titan_moe::moe_combine_bwd", mutates_args=())
-def moe_combine_bwd_triton(
+def _moe_combine_bwd(
     du: Tensor, expert_out: Tensor, dest: Tensor, src: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(dexpert_out [R, d] in expert_out's dtype, dweights [N, k] in weights' dtype) of
@@ -222,6 +222,16 @@ def moe_combine_bwd_triton(
     return drows, dweights
 
 
+moe_dispatch_triton = triton_op("titan_moe::moe_dispatch", mutates_args=())(_moe_dispatch)
+moe_dispatch_bwd_triton = triton_op("titan_moe::moe_dispatch_bwd", mutates_args=())(
+    _moe_dispatch_bwd)
+moe_combine_triton = triton_op("titan_moe::moe_combine", mutates_args=())(_moe_combine)
+moe_combine_bwd_triton = triton_op("titan_moe::moe_combine_bwd", mutates_args=())(
+    _moe_combine_bwd)
+moe_dispatch_bwd_call = direct_call(moe_dispatch_bwd_triton, _moe_dispatch_bwd)
+moe_combine_bwd_call = direct_call(moe_combine_bwd_triton, _moe_combine_bwd)
+
+
 def _dispatch_setup_context(ctx, inputs, output) -> None:
     z, dest, _, top_k = inputs
     ctx.save_for_backward(dest)
@@ -230,7 +240,7 @@ def _dispatch_setup_context(ctx, inputs, output) -> None:
 
 def _dispatch_backward(ctx, dgrouped: Tensor):
     (dest,) = ctx.saved_tensors
-    return moe_dispatch_bwd_triton(dgrouped, dest, ctx.n_tokens, ctx.top_k), None, None, None
+    return moe_dispatch_bwd_call(dgrouped, dest, ctx.n_tokens, ctx.top_k), None, None, None
 
 
 def _combine_setup_context(ctx, inputs, output) -> None:
@@ -240,9 +250,13 @@ def _combine_setup_context(ctx, inputs, output) -> None:
 
 def _combine_backward(ctx, du: Tensor):
     expert_out, dest, src, weights = ctx.saved_tensors
-    drows, dweights = moe_combine_bwd_triton(du, expert_out, dest, src, weights)
+    drows, dweights = moe_combine_bwd_call(du, expert_out, dest, src, weights)
     return drows, None, None, dweights, None
 
 
 moe_dispatch_triton.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
 moe_combine_triton.register_autograd(_combine_backward, setup_context=_combine_setup_context)
+moe_dispatch_call = direct_call(moe_dispatch_triton, _moe_dispatch, _dispatch_setup_context,
+                                _dispatch_backward)
+moe_combine_call = direct_call(moe_combine_triton, _moe_combine, _combine_setup_context,
+                               _combine_backward)

@@ -44,6 +44,8 @@ uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ 
 
 `titan_moe::qb_route` is a `torch.library.triton_op` (torch.compile sees the kernel); its
 backward, the gradient of the weights w.r.t. the logits, is PyTorch over the k routed slots.
+Eager calls take `qb_route_call`, the same body without the dispatcher
+(`titan_moe.ops.direct_call`).
 Inductor cannot compile user Triton kernels for CPU tensors: callers branch on the device
 (`titan_moe.ops.router.qb_route`).
 """
@@ -54,6 +56,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from titan_moe.ops.direct_call import direct_call
 from titan_moe.ops.libdevice_math import sigmoid
 from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins, shared_counting_available
 
@@ -311,8 +314,7 @@ def launch_qb_route(
     return ids, weights, hist, load
 
 
-@triton_op("titan_moe::qb_route", mutates_args={})
-def qb_route_triton(
+def _qb_route(
     logits: Tensor,
     bias: Tensor,
     valid: Tensor | None,
@@ -348,4 +350,6 @@ def _backward(ctx, grad_ids, grad_weights, grad_hist, grad_load):
     return grad_logits.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
+qb_route_triton = triton_op("titan_moe::qb_route", mutates_args={})(_qb_route)
 qb_route_triton.register_autograd(_backward, setup_context=_setup_context)
+qb_route_call = direct_call(qb_route_triton, _qb_route, _setup_context, _backward)

@@ -11,7 +11,8 @@ reads a and b and writes h (6 bytes an element in bf16), the backward reads ∂h
 writes ∂a and ∂b (10 bytes), everything else in registers in fp32; the forward saves a and b.
 Compiled graphs do not take this op: Inductor fuses the reference's maths itself
 (compile_passes/situ_glu_fusion.py), so the dispatcher (`titan_moe.ops.situ_glu`) sends them
-there.
+there. Eager calls take `*_call` (`titan_moe.ops.direct_call`): the ops' bodies in an autograd
+Function, without the dispatcher's round trips.
 
 Packed (`titan_moe::situ_glu_packed`): the routed experts' first grouped GEMM writes a and b
 side by side, ab [rows, 2H] = [a | b] (one GEMM against W1 and W3 stacked). The same kernels read
@@ -32,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from titan_moe.ops.direct_call import direct_call
 from titan_moe.ops.libdevice_math import sigmoid, tanh
 
 BLOCK, WARPS = 2048, 4
@@ -110,8 +112,7 @@ def _launch_bwd(dh: Tensor, a: Tensor, b: Tensor, da: Tensor, db: Tensor | None,
     )  # fmt: skip
 
 
-@triton_op("titan_moe::situ_glu", mutates_args=())
-def situ_glu_triton(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
+def _situ_glu(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
     """`naive.situ_glu_naive` in one kernel: a, b of one shape and dtype (fp32/bf16/fp16) ->
     h in a's dtype, computed in fp32."""
     validate_situ_glu_inputs(a, b)
@@ -121,15 +122,18 @@ def situ_glu_triton(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
     return h
 
 
-@triton_op("titan_moe::situ_glu_bwd", mutates_args=())
-def situ_glu_bwd_triton(
-    dh: Tensor, a: Tensor, b: Tensor, beta1: float, beta2: float
-) -> tuple[Tensor, Tensor]:
+def _situ_glu_bwd(dh: Tensor, a: Tensor, b: Tensor, beta1: float, beta2: float
+                  ) -> tuple[Tensor, Tensor]:
     """(∂a, ∂b) of `situ_glu_triton` given ∂h, in a's and b's dtypes."""
     dh, a, b = dh.contiguous(), a.contiguous(), b.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
     _launch_bwd(dh, a, b, da, db, 1, 1, 0, beta1, beta2)
     return da, db
+
+
+situ_glu_triton = triton_op("titan_moe::situ_glu", mutates_args=())(_situ_glu)
+situ_glu_bwd_triton = triton_op("titan_moe::situ_glu_bwd", mutates_args=())(_situ_glu_bwd)
+situ_glu_bwd_call = direct_call(situ_glu_bwd_triton, _situ_glu_bwd)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -139,11 +143,12 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dh: Tensor):
     a, b = ctx.saved_tensors
-    da, db = situ_glu_bwd_triton(dh, a, b, ctx.beta1, ctx.beta2)
+    da, db = situ_glu_bwd_call(dh, a, b, ctx.beta1, ctx.beta2)
     return da, db, None, None
 
 
 situ_glu_triton.register_autograd(_backward, setup_context=_setup_context)
+situ_glu_call = direct_call(situ_glu_triton, _situ_glu, _setup_context, _backward)
 
 
 def validate_packed_input(ab: Tensor) -> None:
@@ -152,8 +157,7 @@ def validate_packed_input(ab: Tensor) -> None:
                          f"{tuple(ab.shape)}")
 
 
-@triton_op("titan_moe::situ_glu_packed", mutates_args=())
-def situ_glu_packed_triton(ab: Tensor, beta1: float, beta2: float) -> Tensor:
+def _situ_glu_packed(ab: Tensor, beta1: float, beta2: float) -> Tensor:
     """`naive.situ_glu_packed_naive` in one kernel: ab [..., 2H] = [a | b] (fp32/bf16/fp16) ->
     h [..., H] in ab's dtype, computed in fp32."""
     validate_packed_input(ab)
@@ -164,8 +168,7 @@ def situ_glu_packed_triton(ab: Tensor, beta1: float, beta2: float) -> Tensor:
     return h
 
 
-@triton_op("titan_moe::situ_glu_packed_bwd", mutates_args=())
-def situ_glu_packed_bwd_triton(dh: Tensor, ab: Tensor, beta1: float, beta2: float) -> Tensor:
+def _situ_glu_packed_bwd(dh: Tensor, ab: Tensor, beta1: float, beta2: float) -> Tensor:
     """∂ab [..., 2H] = [∂a | ∂b] of `situ_glu_packed_triton` given ∂h, in ab's dtype."""
     dh, ab = dh.contiguous(), ab.contiguous()
     hidden = ab.shape[-1] // 2
@@ -177,6 +180,13 @@ def situ_glu_packed_bwd_triton(dh: Tensor, ab: Tensor, beta1: float, beta2: floa
     return dab
 
 
+situ_glu_packed_triton = triton_op("titan_moe::situ_glu_packed", mutates_args=())(
+    _situ_glu_packed)
+situ_glu_packed_bwd_triton = triton_op("titan_moe::situ_glu_packed_bwd", mutates_args=())(
+    _situ_glu_packed_bwd)
+situ_glu_packed_bwd_call = direct_call(situ_glu_packed_bwd_triton, _situ_glu_packed_bwd)
+
+
 def _packed_setup_context(ctx, inputs, output) -> None:
     ab, ctx.beta1, ctx.beta2 = inputs
     ctx.save_for_backward(ab)
@@ -184,7 +194,9 @@ def _packed_setup_context(ctx, inputs, output) -> None:
 
 def _packed_backward(ctx, dh: Tensor):
     (ab,) = ctx.saved_tensors
-    return situ_glu_packed_bwd_triton(dh, ab, ctx.beta1, ctx.beta2), None, None
+    return situ_glu_packed_bwd_call(dh, ab, ctx.beta1, ctx.beta2), None, None
 
 
 situ_glu_packed_triton.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+situ_glu_packed_call = direct_call(situ_glu_packed_triton, _situ_glu_packed,
+                                   _packed_setup_context, _packed_backward)
