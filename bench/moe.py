@@ -26,6 +26,7 @@ The router alone: bench/qb_route.py.
 """
 
 import argparse
+import gc
 import json
 import statistics
 from collections.abc import Callable
@@ -103,10 +104,18 @@ def time_rounds(calls: dict[str, tuple[Callable, Callable]], device: str, warmup
     machine's speed during the run falls on every layer alike. A layer's figure is the median
     over rounds of each round's median; with rounds > 1 the rounds' figures are kept too."""
     times = {kind: {"fwd_ms": [], "fwd_bwd_ms": []} for kind in calls}
-    for _ in range(rounds):
-        for kind, (fwd, fwd_bwd) in calls.items():
-            times[kind]["fwd_ms"].append(timed(fwd, device, warmup, iters))
-            times[kind]["fwd_bwd_ms"].append(timed(fwd_bwd, device, warmup, iters))
+    # Python's collector off while timing, as torchtitan's trainer runs (training.gc_freq: it
+    # collects every 50 steps itself): a collection inside a timed call of a host-bound row
+    # would add milliseconds to one layer's round and not the other's.
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for kind, (fwd, fwd_bwd) in calls.items():
+                times[kind]["fwd_ms"].append(timed(fwd, device, warmup, iters))
+                times[kind]["fwd_bwd_ms"].append(timed(fwd_bwd, device, warmup, iters))
+    finally:
+        gc.enable()
     rows = {}
     for kind, t in times.items():
         rows[kind] = {key: statistics.median(values) for key, values in t.items()}
