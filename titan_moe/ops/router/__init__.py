@@ -16,9 +16,13 @@ from titan_moe.ops.router.qb_route_triton import (
     qb_route_triton,
     validate_route_inputs,
 )
+from titan_moe.ops.router.route_weights_grad_triton import (
+    route_weights_grad_call,
+    route_weights_grad_triton,
+)
 
 __all__ = ["qb_route", "qb_route_call", "qb_route_naive", "qb_route_triton", "routed_load",
-           "topk_lowest_index_on_ties"]
+           "route_weights_grad_call", "route_weights_grad_triton", "topk_lowest_index_on_ties"]
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -43,7 +43,8 @@ enough to be host-bound (bench/moe.py's d 512 layer routes 2.1M pairs).
 uses; under Triton's interpreter (tests) NumPy's exp, whose last bit can differ from torch's.
 
 `titan_moe::qb_route` is a `torch.library.triton_op` (torch.compile sees the kernel); its
-backward, the gradient of the weights w.r.t. the logits, is PyTorch over the k routed slots.
+backward, the gradient of the weights w.r.t. the logits, is one more Triton op
+(`route_weights_grad_triton.py`) that writes the dense [T, E] gradient from the k routed slots.
 Eager calls take `qb_route_call`, the same body without the dispatcher
 (`titan_moe.ops.direct_call`).
 Inductor cannot compile user Triton kernels for CPU tensors: callers branch on the device
@@ -59,6 +60,7 @@ from torch.library import triton_op, wrap_triton
 from titan_moe.ops.direct_call import direct_call
 from titan_moe.ops.libdevice_math import sigmoid
 from titan_moe.ops.router.bin_counts import MAX_BINS, count_bins, shared_counting_available
+from titan_moe.ops.router.route_weights_grad_triton import route_weights_grad_call
 
 WARP_ROW_ELEMENTS = 2048  # the longest row one warp holds: 64 keys a lane, no spills at sm_90
 MAX_EXPERTS = 32 * WARP_ROW_ELEMENTS  # a row in 32 warps (1024 threads, CUDA's most a block)
@@ -334,20 +336,15 @@ def _setup_context(ctx, inputs, output) -> None:
     # Only the k routed logits of a row carry gradient; keeping them, not [T, E], is enough.
     ctx.save_for_backward(ids, logits.gather(-1, ids))
     ctx.route_scale = route_scale
-    ctx.logits_shape = logits.shape
-    ctx.logits_dtype = logits.dtype
+    ctx.n_experts = logits.shape[-1]
 
 
 def _backward(ctx, grad_ids, grad_weights, grad_hist, grad_load):
-    """p_j = ρ s_j / S over the routed slots: dL/ds_i = ρ / S · (g_i - Σ_j g_j s_j / S)."""
+    """∂L/∂logits from ∂L/∂weights, one kernel (route_weights_grad_triton.py has the maths)."""
     ids, chosen_logits = ctx.saved_tensors
-    s = torch.sigmoid(chosen_logits.float())
-    total = s.sum(-1, keepdim=True)
-    g = grad_weights.float()
-    grad_s = ctx.route_scale / total * (g - (g * s).sum(-1, keepdim=True) / total)
-    grad_chosen = grad_s * s * (1.0 - s)
-    grad_logits = grad_chosen.new_zeros(ctx.logits_shape).scatter_(-1, ids, grad_chosen)
-    return grad_logits.to(ctx.logits_dtype), None, None, None, None, None, None
+    grad_logits = route_weights_grad_call(ids, chosen_logits, grad_weights, ctx.route_scale,
+                                          ctx.n_experts)
+    return grad_logits, None, None, None, None, None, None
 
 
 qb_route_triton = triton_op("titan_moe::qb_route", mutates_args={})(_qb_route)
