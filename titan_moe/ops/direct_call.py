@@ -17,7 +17,7 @@ triton_op (through its HOP it costs about 1 ms a call: torch's own comment).
 "Eagerly" is: not under Dynamo and no dispatch mode active. AOTAutograd traces a registered
 backward outside Dynamo, under its fake and functional modes, where torch 2.11's
 `torch.compiler.is_compiling()` is False (2.13 holds it True for the whole compile); a body run
-there would launch its kernel on fake tensors. So does any other tracer (make_fx, export) and
+there would launch its kernel on fake tensors. So would any other tracer's (make_fx, export) or
 a selective activation checkpoint's recompute: they all get the op.
 """
 
