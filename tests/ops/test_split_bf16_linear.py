@@ -75,6 +75,16 @@ def test_gradients_are_fp32_accurate():
     assert _excess(w.grad, w64.grad, dw_scale) <= 1.0
 
 
+def test_weight_gradient_alone_equals_it_beside_the_input_gradient():
+    """Without x's gradient the backward splits g into [g_hi | g_lo] only; with it, dW reads
+    the first 2E columns of [g_hi | g_lo | g_hi]. Both must give one dW (1e-6: the GEMMs read
+    one operand through a strided view, the other contiguous)."""
+    x, w, g = _inputs(seed=3)
+    (alone,) = torch.autograd.grad(split_bf16_linear(x.detach(), w), w, g)
+    (beside,) = torch.autograd.grad(split_bf16_linear(x, w), w, g)
+    torch.testing.assert_close(alone, beside, rtol=1e-6, atol=0)
+
+
 def test_compiled_equals_eager():
     """Inductor, fullgraph: the autograd.Function traces with no graph break, and the split
     survives fusion (with hi cast to bf16 and back, Inductor dropped the round trip and lo

@@ -61,13 +61,15 @@ class SplitBf16Linear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         x, weight = ctx.saved_tensors
         g_hi, g_lo = split_bf16(grad.float())
+        # One copy of the splits serves both GEMMs: dx's operand [g_hi | g_lo | g_hi], whose
+        # first 2E columns are dW's [g_hi | g_lo] (a strided view, which cuBLAS reads as is).
+        g_split = torch.cat([g_hi, g_lo, g_hi] if ctx.needs_input_grad[0] else [g_hi, g_lo], dim=1)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_hi, w_lo = split_bf16(weight)
-            grad_x = mm_fp32(torch.cat([g_hi, g_lo, g_hi], dim=1),
-                             torch.cat([w_hi, w_hi, w_lo])).to(x.dtype)
+            grad_x = mm_fp32(g_split, torch.cat([w_hi, w_hi, w_lo])).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _summed_halves(mm_fp32(torch.cat([g_hi, g_lo], dim=1).t(), x), dim=0)
+            grad_w = _summed_halves(mm_fp32(g_split[:, :2 * grad.shape[1]].t(), x), dim=0)
         return grad_x, grad_w
 
 
