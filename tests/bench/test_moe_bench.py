@@ -4,6 +4,7 @@ names (none after the flag: none), as compile_passes.inspect takes them; an unkn
 argparse error naming the flag. With --rounds the layers are timed in turn, round after round,
 and a row is the median of its rounds."""
 
+import gc
 import json
 import statistics
 import sys
@@ -45,6 +46,23 @@ def test_unknown_pass_names_the_flag(moe, monkeypatch, tmp_path, capsys):
         _run(moe, monkeypatch, tmp_path, "--passes", "situ_glu", "fuse_all")
     assert exit_info.value.code == 2
     assert "--passes: unknown pass 'fuse_all'; allowed: situ_glu" in capsys.readouterr().err
+
+
+def test_trace_without_profile_names_the_flag(moe, monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _run(moe, monkeypatch, tmp_path, "--trace")
+    assert exit_info.value.code == 2
+    assert "--trace: the trace is of --profile's call; give --profile N" in capsys.readouterr().err
+
+
+def test_timing_runs_with_the_collector_off(moe, monkeypatch):
+    """Python's collector is off inside each timed call (as torchtitan's trainer runs) and on
+    again after the rounds."""
+    seen = []
+    monkeypatch.setattr(moe, "timed",
+                        lambda fn, device, warmup, iters: seen.append(gc.isenabled()) or 1.0)
+    moe.time_rounds({"titan_moe": (lambda: None, lambda: None)}, "cpu", 0, 1, rounds=2)
+    assert seen == [False] * 4 and gc.isenabled()
 
 
 def test_rounds_time_the_layers_in_turn_and_report_the_median(moe, monkeypatch):
