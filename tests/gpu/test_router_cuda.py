@@ -4,7 +4,8 @@ The op against its PyTorch reference on the same GPU, with the histogram counted
 cutoffs binned and counted in shared memory by count_bins' CUDA kernel, and the kernel's global
 atomics): ids, weights, histogram and load must be equal bit for bit (all compute σ as
 1 / (1 + expf(-x)) with an IEEE division, see qb_route_triton.py), at the routing issue's
-E = 896, k = 16 and at the proxy's E = 64, k = 8; the weight gradient as relative RMS error.
+E = 896, k = 16 and at the proxy's E = 64, k = 8; the weight gradient as relative RMS error,
+and compiled, that gradient one kernel (route_weights_grad_triton.py) and nothing else.
 count_bins' kernel alone against its reference. The bf16 layer (torch._grouped_mm, padded groups)
 against the same layer in float64 on CPU with identical routes forced by a large bias gap (also
 in token chunks, long context's `moe_token_chunk`), and its forward and backward free of host
@@ -17,9 +18,10 @@ import math
 import pytest
 import torch
 
+from compile_passes.inspect import inspect_compile
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
-from titan_moe.ops.router import qb_route_naive, qb_route_triton
+from titan_moe.ops.router import qb_route, qb_route_naive, qb_route_triton
 from titan_moe.ops.router.bin_counts import (
     count_bins,
     count_bins_reference,
@@ -190,3 +192,25 @@ def test_quantile_balancer_step_never_syncs_with_the_host():
     metrics = balancer.metrics()
     assert len(metrics) == 3 and all(math.isfinite(v) for v in metrics.values()), metrics
     assert torch.isfinite(moe.router.expert_bias).all()
+
+
+class _RouteWeights(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return qb_route(logits, bias, 8)[1]
+
+
+def test_compiled_logits_gradient_is_the_one_gradient_kernel():
+    """Compiled, the logits' gradient is `route_weights_grad_kernel` alone: the backward graph
+    has no other kernel (the PyTorch formula compiled to a sum, a [T, E] fill and a scatter),
+    and the gradient equals the eager op's within FP32_GRAD_RTOL."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4096, 64, device="cuda", generator=gen)
+    bias = torch.zeros(64, device="cuda")
+    compiled_logits = logits.clone().requires_grad_()
+    result = inspect_compile(_RouteWeights(), (compiled_logits, bias), steps=1)
+    backward = [k.name for k in result.kernels
+                if k.unit == "graph0_backward" and k.kind == "generated"]
+    assert len(backward) == 1 and backward[0].startswith("route_weights_grad_kernel"), backward
+    eager_logits = logits.clone().requires_grad_()
+    qb_route(eager_logits, bias, 8)[1].float().square().mean().backward()
+    assert rel_rms(compiled_logits.grad, eager_logits.grad) <= FP32_GRAD_RTOL
