@@ -28,6 +28,14 @@ import torch
 from torch._library.triton import set_wrap_triton_enabled
 
 
+def _plain_call(body: Callable) -> Callable:
+    def run(*inputs):
+        with set_wrap_triton_enabled(False):
+            return body(*inputs)
+
+    return run
+
+
 def _autograd_call(body: Callable, setup_context: Callable, backward: Callable) -> Callable:
     def forward(ctx, *inputs):
         with set_wrap_triton_enabled(False):
@@ -54,15 +62,13 @@ def direct_call(
     are given. Inputs are positional, as an autograd Function takes them."""
     if (setup_context is None) != (backward is None):
         raise ValueError("direct_call takes setup_context and backward together, or neither")
-    eager = body if backward is None else _autograd_call(body, setup_context, backward)
+    eager = (_plain_call(body) if backward is None
+             else _autograd_call(body, setup_context, backward))
 
     def call(*inputs):
         if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
             return op(*inputs)
-        if backward is not None:
-            return eager(*inputs)
-        with set_wrap_triton_enabled(False):
-            return body(*inputs)
+        return eager(*inputs)
 
     call.__name__ = call.__qualname__ = f"{body.__name__}_call"
     return call

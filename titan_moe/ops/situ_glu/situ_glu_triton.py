@@ -122,8 +122,9 @@ def _situ_glu(a: Tensor, b: Tensor, beta1: float, beta2: float) -> Tensor:
     return h
 
 
-def _situ_glu_bwd(dh: Tensor, a: Tensor, b: Tensor, beta1: float, beta2: float
-                  ) -> tuple[Tensor, Tensor]:
+def _situ_glu_bwd(
+    dh: Tensor, a: Tensor, b: Tensor, beta1: float, beta2: float
+) -> tuple[Tensor, Tensor]:
     """(∂a, ∂b) of `situ_glu_triton` given ∂h, in a's and b's dtypes."""
     dh, a, b = dh.contiguous(), a.contiguous(), b.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
