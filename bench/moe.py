@@ -10,7 +10,9 @@ eager and compiled, and with --graphs compiled with CUDA graphs as training runs
              expert of the same hidden width, the QB histogram on;
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
 Each layer compiles as its trainer compiles it: ours with our Inductor passes (--passes, by default
-those `compile.passes` installs), torchtitan's with none. With --rounds R both layers of a shape
+those `compile.passes` installs), torchtitan's with none. --inductor KEY=VALUE sets an Inductor
+option on our layer's compiles only (e.g. combo_kernels=true, cpp_wrapper=true), to measure what
+one would give our trainer before it takes it. With --rounds R both layers of a shape
 and mode are built at once and timed in turn, R times; a row is the median of its rounds, their
 spread printed and kept: host-bound compiled rows (d 512, H100) vary by about 5% between
 processes, as much as the gap between the layers.
@@ -64,20 +66,44 @@ def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dty
     return layer.train()
 
 
-def compiled(layer, kind: str, mode: str, passes: list[str]):
-    """torch.compile of the layer in a compiled row's mode; our passes on our layer only."""
+def inductor_setting(text: str) -> tuple[str, object]:
+    """--inductor's KEY=VALUE -> (key, value): key an option of torch._inductor.config, value
+    JSON (true, 3, "x") of the type the option's default has (a bare word is a string)."""
+    key, sep, raw = text.partition("=")
+    defaults = torch._inductor.config.get_config_copy()
+    if not sep or key not in defaults:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give KEY=VALUE with KEY an option of torch._inductor.config")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    default = defaults[key]
+    if type(default) is float and type(value) is int:
+        value = float(value)
+    if default is not None and type(value) is not type(default):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {key} takes a {type(default).__name__} (default {default!r})")
+    return key, value
+
+
+def compiled(layer, kind: str, mode: str, passes: list[str], extra: dict | None = None):
+    """torch.compile of the layer in a compiled row's mode; our passes and the extra Inductor
+    options on our layer only."""
     mode_name = COMPILE_MODES[mode]
     options = {} if mode_name is None else dict(torch._inductor.list_mode_options(mode_name))
     if kind == "titan_moe":
         options.update(inductor_options(passes))
+        options.update(extra or {})
     return torch.compile(layer, options=options)
 
 
-def prepare(kind, shape, tokens, device, dtype, mode, passes) -> tuple[Callable, Callable]:
+def prepare(kind, shape, tokens, device, dtype, mode, passes,
+            extra: dict | None = None) -> tuple[Callable, Callable]:
     """(forward, forward+backward) calls of a fresh layer, compiled in the row's mode."""
     d, hidden, experts, k = shape
     layer = build(kind, d, hidden, experts, k, device, dtype)
-    fn = layer if mode == "eager" else compiled(layer, kind, mode, passes)
+    fn = layer if mode == "eager" else compiled(layer, kind, mode, passes, extra)
     x = torch.randn(1, tokens, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     leaves = [x, *(p for p in layer.parameters() if p.requires_grad)]
@@ -157,6 +183,9 @@ def main() -> None:
                         help=f"our Inductor passes on our compiled layer ({', '.join(PASS_NAMES)});"
                              " none after the flag turns them off. Default: all, as "
                              "compile.passes installs them")
+    parser.add_argument("--inductor", type=inductor_setting, action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="an Inductor option on our compiled layer only (repeatable)")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                        for k, v in TINY.items()))
@@ -165,6 +194,7 @@ def main() -> None:
     if opts.tiny:
         vars(opts).update(TINY)
     passes = opts.passes
+    extra = dict(opts.inductor)
     try:
         check_pass_names(passes, "--passes")
     except ValueError as e:
@@ -191,7 +221,8 @@ def main() -> None:
                 # object) counts the earlier groups' compiles of the same forward, and past it a
                 # row silently ran eagerly (d 3584 compiled, H100, 2026-12-06).
                 torch._dynamo.reset()
-                calls = {kind: prepare(kind, shape, opts.tokens, opts.device, dtype, mode, passes)
+                calls = {kind: prepare(kind, shape, opts.tokens, opts.device, dtype, mode, passes,
+                                       extra)
                          for kind in group}
                 timed_rows = time_rounds(calls, opts.device, opts.warmup, opts.iters, opts.rounds)
                 for kind in group:
@@ -216,7 +247,8 @@ def main() -> None:
                 del calls
                 # After every group, so a run stopped by a time limit keeps the rows it timed.
                 result = {**environment(), "tokens": opts.tokens, "dtype": str(dtype),
-                          "titan_moe_passes": passes, "layers": rows}
+                          "titan_moe_passes": passes, "titan_moe_inductor": extra,
+                          "layers": rows}
                 with open(opts.out, "w") as f:
                     json.dump(result, f, indent=2)
     print(f"wrote {opts.out}")

@@ -1,8 +1,9 @@
 """bench/moe.py on this host: our compiled layer is compiled with our Inductor passes, by default
 every pass `compile.passes` installs (the JSON names them, and they fire), or with those --passes
 names (none after the flag: none), as compile_passes.inspect takes them; an unknown name is one
-argparse error naming the flag. With --rounds the layers are timed in turn, round after round,
-and a row is the median of its rounds."""
+argparse error naming the flag. --inductor KEY=VALUE options go to our layer's compiles only,
+checked against torch._inductor.config's options and their types. With --rounds the layers are
+timed in turn, round after round, and a row is the median of its rounds."""
 
 import gc
 import json
@@ -53,6 +54,40 @@ def test_trace_without_profile_names_the_flag(moe, monkeypatch, tmp_path, capsys
         _run(moe, monkeypatch, tmp_path, "--trace")
     assert exit_info.value.code == 2
     assert "--trace: the trace is of --profile's call; give --profile N" in capsys.readouterr().err
+
+
+def test_inductor_settings_parse_as_json_of_the_options_type(moe):
+    assert moe.inductor_setting("combo_kernels=true") == ("combo_kernels", True)
+    assert moe.inductor_setting("combo_kernel_max_num_nodes=4") == (
+        "combo_kernel_max_num_nodes", 4)
+    assert moe.inductor_setting("combo_kernel_peak_memory_pct_threshold=1") == (
+        "combo_kernel_peak_memory_pct_threshold", 1.0)
+    assert moe.inductor_setting("max_autotune_gemm_backends=ATEN") == (
+        "max_autotune_gemm_backends", "ATEN")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("combo_kernels", "give KEY=VALUE with KEY an option of torch._inductor.config"),
+    ("combo_kernel=true", "give KEY=VALUE with KEY an option of torch._inductor.config"),
+    ("combo_kernels=1", "combo_kernels takes a bool (default False)"),
+])
+def test_bad_inductor_settings_name_the_flag(moe, monkeypatch, tmp_path, capsys, text, message):
+    with pytest.raises(SystemExit) as exit_info:
+        _run(moe, monkeypatch, tmp_path, "--inductor", text)
+    assert exit_info.value.code == 2
+    assert f"argument --inductor: {text!r}: {message}" in capsys.readouterr().err
+
+
+def test_inductor_settings_reach_our_compiles_only(moe, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(moe.torch, "compile",
+                        lambda layer, options: seen.setdefault(layer, options))
+    extra = {"combo_kernels": True}
+    for kind in ("titan_moe", "torchtitan"):
+        moe.compiled(kind, kind, "graphed", [], extra)
+    assert seen["titan_moe"]["combo_kernels"] is True
+    assert seen["titan_moe"]["triton.cudagraphs"] is True  # the row's mode is kept
+    assert "combo_kernels" not in seen["torchtitan"]
 
 
 def test_timing_runs_with_the_collector_off(moe, monkeypatch):
