@@ -31,6 +31,7 @@ from titan_moe.ops.moe_dispatch import (
     moe_combine_naive,
     moe_dispatch,
     moe_dispatch_naive,
+    sort_pairs,
 )
 
 FP32_RTOL = 1e-5
@@ -55,6 +56,7 @@ LAYOUT_CASES = {
     "layout-p2500-e37-align16": (2500, 37, 16, "random"),
     "layout-p64-e5-one-expert": (64, 5, 8, "one"),
     "layout-p0-e4-align8": (0, 4, 8, "random"),
+    "layout-p700-e300-align8": (700, 300, 8, "random"),  # int16 sort keys (uint8 below 257)
 }
 
 
@@ -316,6 +318,22 @@ def test_reference_matches_pair_loop(name):
                            du.double(), dgrouped)
     for got, expected in zip((grouped, dz, u, de, dw), want, strict=True):
         assert (got - expected).abs().max().item() <= LOOP_ATOL
+
+
+@pytest.mark.parametrize("n_experts, key", [
+    (2, torch.uint8), (256, torch.uint8), (257, torch.int16), (32768, torch.int16),
+    (32769, torch.int32),
+])
+def test_sort_keys_are_the_narrowest_that_hold_every_expert(n_experts, key):
+    """The largest id, n_experts - 1, among others: the keys come back in the narrowest dtype
+    holding it, sorted as the int64 ids sort (stable: equal ids keep their pair order)."""
+    gen = torch.Generator().manual_seed(n_experts)
+    pair_expert = torch.randint(min(n_experts, 9), (400,), generator=gen)
+    pair_expert[::7] = n_experts - 1
+    sorted_key, order = sort_pairs(pair_expert, n_experts)
+    want_key, want_order = torch.sort(pair_expert, stable=True)
+    assert sorted_key.dtype == key
+    assert torch.equal(sorted_key.long(), want_key) and torch.equal(order, want_order)
 
 
 def test_dispatcher_takes_the_reference_on_cpu(monkeypatch):

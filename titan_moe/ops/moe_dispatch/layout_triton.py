@@ -97,8 +97,8 @@ def pair_rows_kernel(keys_ptr, order_ptr, bounds_ptr, offs_ptr, dest_ptr, src_pt
 def _dispatch_layout_rows(
     sorted_key: Tensor, order: Tensor, n_experts: int, align: int, n_rows: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """sorted_key [P] int16/int32 the pairs' experts sorted (stable), order [P] int64 the sort's
-    permutation -> (dest [P] int64, src [n_rows] int64, offs [E] int32), as
+    """sorted_key [P] uint8/int16/int32 the pairs' experts sorted (stable), order [P] int64 the
+    sort's permutation -> (dest [P] int64, src [n_rows] int64, offs [E] int32), as
     `dispatch_layout_naive` returns them."""
     n_pairs = sorted_key.numel()
     device = sorted_key.device

@@ -57,11 +57,15 @@ def layout_rows(n_pairs: int, n_experts: int, align: int) -> int:
     return round_up(n_pairs + n_experts * (align - 1), align)
 
 
+SORT_KEYS = (torch.uint8, torch.int16, torch.int32)
+
+
 def sort_pairs(pair_expert: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """(sorted_key, order): the pairs' experts sorted, stable, and the sort's permutation. The keys
-    are int16 (int32 past 32,767 experts): a radix sort passes over the key's bits, 16 here
-    against int64's 64; same order, the sort being stable."""
-    key = torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+    take the narrowest of uint8, int16 and int32 that holds every expert id: CUDA's radix sort
+    passes over all of the key's bits, 8 at a time, so uint8 keys (E <= 256) take one pass and
+    int16 two, against int64's eight; same order, the sort being stable."""
+    key = next(dtype for dtype in SORT_KEYS if n_experts - 1 <= torch.iinfo(dtype).max)
     return torch.sort(pair_expert.to(key), stable=True)
 
 
