@@ -62,9 +62,10 @@ SORT_KEYS = (torch.uint8, torch.int16, torch.int32)
 
 def sort_pairs(pair_expert: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """(sorted_key, order): the pairs' experts sorted, stable, and the sort's permutation. The keys
-    take the narrowest of uint8, int16 and int32 that holds every expert id: CUDA's radix sort
-    passes over all of the key's bits, 8 at a time, so uint8 keys (E <= 256) take one pass and
-    int16 two, against int64's eight; same order, the sort being stable."""
+    take the narrowest of uint8, int16 and int32 that holds every expert id: CUDA's stable sort
+    (CUB's radix sort) passes over all of the key's bits, 8 a pass, so uint8 keys (E <= 256)
+    should take one pass and int16 two, against int64's eight (not yet timed); same order, the
+    sort being stable."""
     key = next(dtype for dtype in SORT_KEYS if n_experts - 1 <= torch.iinfo(dtype).max)
     return torch.sort(pair_expert.to(key), stable=True)
 
