@@ -39,6 +39,7 @@ from report import environment
 from timing import device_profile, host_issue_ms, timed
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
+from compile_passes.inductor_settings import inductor_settings
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
 from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.moe import LatentMoE
@@ -64,27 +65,6 @@ def build(kind: str, d: int, hidden: int, experts: int, k: int, device: str, dty
     if kind == "titan_moe":
         layer.router.float()  # the spec keeps the router in fp32
     return layer.train()
-
-
-def inductor_setting(text: str) -> tuple[str, object]:
-    """--inductor's KEY=VALUE -> (key, value): key an option of torch._inductor.config, value
-    JSON (true, 3, "x") of the type the option's default has (a bare word is a string)."""
-    key, sep, raw = text.partition("=")
-    defaults = torch._inductor.config.get_config_copy()
-    if not sep or key not in defaults:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give KEY=VALUE with KEY an option of torch._inductor.config")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    default = defaults[key]
-    if type(default) is float and type(value) is int:
-        value = float(value)
-    if default is not None and type(value) is not type(default):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: {key} takes a {type(default).__name__} (default {default!r})")
-    return key, value
 
 
 def compiled(layer, kind: str, mode: str, passes: list[str], extra: dict | None = None):
@@ -183,7 +163,7 @@ def main() -> None:
                         help=f"our Inductor passes on our compiled layer ({', '.join(PASS_NAMES)});"
                              " none after the flag turns them off. Default: all, as "
                              "compile.passes installs them")
-    parser.add_argument("--inductor", type=inductor_setting, action="append", default=[],
+    parser.add_argument("--inductor", action="append", default=[],
                         metavar="KEY=VALUE",
                         help="an Inductor option on our compiled layer only (repeatable)")
     parser.add_argument("--tiny", action="store_true",
@@ -194,9 +174,9 @@ def main() -> None:
     if opts.tiny:
         vars(opts).update(TINY)
     passes = opts.passes
-    extra = dict(opts.inductor)
     try:
         check_pass_names(passes, "--passes")
+        extra = inductor_settings(opts.inductor, "--inductor")
     except ValueError as e:
         parser.error(str(e))
     dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32

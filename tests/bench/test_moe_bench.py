@@ -56,26 +56,12 @@ def test_trace_without_profile_names_the_flag(moe, monkeypatch, tmp_path, capsys
     assert "--trace: the trace is of --profile's call; give --profile N" in capsys.readouterr().err
 
 
-def test_inductor_settings_parse_as_json_of_the_options_type(moe):
-    assert moe.inductor_setting("combo_kernels=true") == ("combo_kernels", True)
-    assert moe.inductor_setting("combo_kernel_max_num_nodes=4") == (
-        "combo_kernel_max_num_nodes", 4)
-    assert moe.inductor_setting("combo_kernel_peak_memory_pct_threshold=1") == (
-        "combo_kernel_peak_memory_pct_threshold", 1.0)
-    assert moe.inductor_setting("max_autotune_gemm_backends=ATEN") == (
-        "max_autotune_gemm_backends", "ATEN")
-
-
-@pytest.mark.parametrize("text, message", [
-    ("combo_kernels", "give KEY=VALUE with KEY an option of torch._inductor.config"),
-    ("combo_kernel=true", "give KEY=VALUE with KEY an option of torch._inductor.config"),
-    ("combo_kernels=1", "combo_kernels takes a bool (default False)"),
-])
-def test_bad_inductor_settings_name_the_flag(moe, monkeypatch, tmp_path, capsys, text, message):
+def test_bad_inductor_settings_name_the_flag(moe, monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _run(moe, monkeypatch, tmp_path, "--inductor", text)
+        _run(moe, monkeypatch, tmp_path, "--inductor", "combo_kernels=1")
     assert exit_info.value.code == 2
-    assert f"argument --inductor: {text!r}: {message}" in capsys.readouterr().err
+    assert ("--inductor: 'combo_kernels=1': combo_kernels takes a bool (default False)"
+            in capsys.readouterr().err)
 
 
 def test_inductor_settings_reach_our_compiles_only(moe, monkeypatch):

@@ -89,6 +89,14 @@ def test_passes_switch_off_from_the_toml_and_the_cli(tmp_path):
         ('backend = "aot_eager"\npasses = []\ncudagraphs = true',
          "compile.cudagraphs needs compile.backend = 'inductor', got 'aot_eager'"),
         ("cudagraphs = 1", "compile.cudagraphs: expected bool, got 1"),
+        ('inductor = ["combo_kernel=true"]',
+         "compile.inductor: 'combo_kernel=true': give KEY=VALUE with KEY an option of "
+         "torch._inductor.config"),
+        ('inductor = ["combo_kernels=1"]',
+         "compile.inductor: 'combo_kernels=1': combo_kernels takes a bool (default False)"),
+        ('backend = "aot_eager"\npasses = []\ninductor = ["combo_kernels=true"]',
+         "compile.inductor ['combo_kernels=true'] are Inductor options but compile.backend is "
+         "'aot_eager'; allowed with them: 'inductor'"),
     ],
 )
 def test_bad_compile_values_name_the_field_and_what_is_allowed(tmp_path, lines, message):
@@ -144,6 +152,30 @@ def test_passes_off_compile_without_our_post_pass(tmp_path, monkeypatch):
     counts = _compiled_training_step(tmp_path, "passes = []")
     assert seen and all(kw["options"] is None and kw["fullgraph"] for kw in seen), seen
     assert counts == dict.fromkeys(PASS_NAMES, 0), counts
+
+
+def test_inductor_options_reach_every_compile_beside_the_passes(tmp_path, monkeypatch):
+    """`compile.inductor` (empty by default) adds its options to each compile's; recorded
+    without compiling. Refused with simple_fsdp, whose compile is torchtitan's backend."""
+    assert parse_job_config([]).compile.inductor == []
+    seen = []
+
+    def record(target, **kwargs):
+        seen.append(kwargs["options"])
+        return target
+
+    monkeypatch.setattr(torch, "compile", record)
+    config = _config(tmp_path, cli=("--compile.inductor", "combo_kernels=true,cpp_wrapper=true"))
+    assert config.compile.inductor == ["combo_kernels=true", "cpp_wrapper=true"]
+    args = get_flavor(config.model.flavor)
+    args.update_from_config(config)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    parallelize_titan_moe(TitanMoE(args), dims, config)
+    assert seen and all(options["combo_kernels"] is True and options["cpp_wrapper"] is True
+                        and "joint_custom_post_pass" in options for options in seen), seen
+    message = _error(tmp_path, 'inductor = ["combo_kernels=true"]',
+                     ("--parallelism.sharding", "simple_fsdp"))
+    assert "compile.inductor with parallelism.sharding = 'simple_fsdp' is not supported" in message
 
 
 def test_cudagraphs_are_off_by_default_and_refused_with_cp_checkpointing_and_segments(tmp_path):

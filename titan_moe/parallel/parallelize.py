@@ -29,6 +29,7 @@ from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from compile_passes.inductor_settings import inductor_settings
 from compile_passes.registry import PASS_NAMES, check_pass_names, inductor_options
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.kda import KimiDeltaAttention
@@ -93,7 +94,8 @@ def parallelize_titan_moe(
         op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
         apply_compile(model, job_config.compile.backend, units, job_config.compile.passes,
                       job_config.compile.fullgraph, whole_layers=op_sac,
-                      cudagraphs=job_config.compile.cudagraphs)
+                      cudagraphs=job_config.compile.cudagraphs,
+                      inductor=inductor_settings(job_config.compile.inductor, "compile.inductor"))
     if shard:
         dp_mesh = parallel_dims.get_mesh(
             ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
@@ -147,6 +149,7 @@ def apply_compile(
     fullgraph: bool = True,
     whole_layers: bool = False,
     cudagraphs: bool = False,
+    inductor: dict[str, object] | None = None,
 ) -> None:
     """torch.compile per sublayer of every decoder layer (its two AttnRes sites, two RMSNorms,
     mixer and FFN) and per ViT block, with our Inductor passes; around nested FSDP units instead.
@@ -167,10 +170,11 @@ def apply_compile(
     An FSDP unit's hooks break a fullgraph trace, so a sublayer holding units is compiled
     piecewise: every maximal submodule free of units is compiled whole, and a unit's own
     `forward` is compiled (its FSDP hooks stay outside, on __call__). The EP experts stay eager
-    (their all-to-all splits are read on the host). The passes (`compile.passes`) are installed
-    through `torch.compile(options=...)`, so they apply to these compiles only. Under context
-    parallelism a KDA or MLA mixer (or a whole layer holding one) compiles without fullgraph:
-    its sequence steps are eager graph breaks (context_parallel.py says why).
+    (their all-to-all splits are read on the host). The passes (`compile.passes`) and the
+    `inductor` options (`compile.inductor`) are given through `torch.compile(options=...)`, so
+    they apply to these compiles only. Under context parallelism a KDA or MLA mixer (or a whole
+    layer holding one) compiles without fullgraph: its sequence steps are eager graph breaks
+    (context_parallel.py says why).
 
     `cudagraphs` (CUDA only) replays each compiled region as CUDA graphs (Inductor's cudagraph
     trees, what mode="reduce-overhead" turns on): a region's launches cost one graph launch, so
@@ -185,6 +189,9 @@ def apply_compile(
             f"compile.passes {list(passes)} are Inductor passes; compile.backend is {backend!r} "
             "(allowed with passes: 'inductor'; or set compile.passes = [])"
         )
+    if inductor and backend != "inductor":
+        raise ValueError(f"compile.inductor {inductor} are Inductor options; compile.backend is "
+                         f"{backend!r} (allowed with them: 'inductor')")
     if cudagraphs and backend != "inductor":
         raise ValueError(f"compile.cudagraphs needs compile.backend = 'inductor', got {backend!r}")
     if cudagraphs:
@@ -197,7 +204,8 @@ def apply_compile(
                     type(module).sequence_recurrence, static_layout=True)
             else:
                 module.attention = functools.partial(type(module).attention, static_layout=True)
-    options = inductor_options(passes) | ({"triton.cudagraphs": True} if cudagraphs else {})
+    options = (inductor_options(passes) | (inductor or {})
+               | ({"triton.cudagraphs": True} if cudagraphs else {}))
     compile_whole = functools.partial(torch.compile, backend=backend, fullgraph=fullgraph,
                                       options=options or None)
     compile_pieces = functools.partial(compile_whole, fullgraph=False)

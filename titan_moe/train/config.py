@@ -43,6 +43,7 @@ import torchtitan.config.job_config as tt_job_config
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
+from compile_passes.inductor_settings import inductor_settings
 from compile_passes.registry import PASS_NAMES, check_pass_names
 from titan_moe.config_types import cli_values_match, type_name, value_matches
 from titan_moe.data.dataloader import check_data_source
@@ -587,6 +588,10 @@ class Compile(tt_job_config.Compile):
     fullgraph: bool = True
     """torch.compile(fullgraph=...) of each compiled piece: True turns a graph break into an
     error."""
+    inductor: list[str] = field(default_factory=list)
+    """Inductor options for every compiled piece, each KEY=VALUE with KEY an option of
+    torch._inductor.config and VALUE JSON of its type, e.g. ["combo_kernels=true"] (CLI:
+    --compile.inductor combo_kernels=true,cpp_wrapper=true). Checked before anything compiles."""
     cudagraphs: bool = False
     """CUDA only: replay each compiled piece as CUDA graphs (Inductor's cudagraph trees), so the
     host's launches stop setting the step's pace (parallel/parallelize.py's apply_compile). fla's
@@ -601,6 +606,20 @@ def _check_compile(job_config: Any) -> None:
         check_pass_names(config.passes, "compile.passes")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    config.inductor = [text for text in config.inductor if text]
+    try:
+        inductor_settings(config.inductor, "compile.inductor")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.enable and config.inductor:
+        if config.backend != "inductor":
+            raise ConfigError(f"compile.inductor {config.inductor} are Inductor options but "
+                              f"compile.backend is {config.backend!r}; allowed with them: "
+                              "'inductor' (or set compile.inductor = [])")
+        if job_config.parallelism.sharding == "simple_fsdp":
+            # compile_simple_fsdp compiles the model through torchtitan's backend, not ours.
+            raise ConfigError("compile.inductor with parallelism.sharding = 'simple_fsdp' is not "
+                              "supported; set compile.inductor = [] or sharding = 'fsdp2'")
     if config.enable and config.passes and config.backend != "inductor":
         raise ConfigError(
             f"compile.passes {config.passes} are Inductor passes but compile.backend is "
