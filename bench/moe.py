@@ -10,11 +10,11 @@ eager and compiled, and with --graphs compiled with CUDA graphs as training runs
              expert of the same hidden width, the QB histogram on;
   torchtitan torchtitan.models.moe.MoE (token-choice sigmoid router, grouped experts, one shared).
 Each layer compiles as its trainer compiles it: ours with our Inductor passes (--passes, by default
-those `compile.passes` installs), torchtitan's with none. --inductor KEY=VALUE sets an Inductor
-option on our layer's compiles only (e.g. combo_kernels=true, cpp_wrapper=true), to measure what
-one would give our trainer before it takes it. With --rounds R both layers of a shape
-and mode are built at once and timed in turn, R times; a row is the median of its rounds, their
-spread printed and kept: host-bound compiled rows (d 512, H100) vary by about 5% between
+those `compile.passes` installs), torchtitan's with none. --inductor KEY=VALUE gives our layer's
+compiles an Inductor option as `compile.inductor` gives the trainer's (e.g. combo_kernels=true,
+cpp_wrapper=true), to measure it before a config turns it on. With --rounds R both layers of a
+shape and mode are built at once and timed in turn, R times; a row is the median of its rounds,
+their spread printed and kept: host-bound compiled rows (d 512, H100) vary by about 5% between
 processes, as much as the gap between the layers.
 The last default shape, d = ℓ = 3584, expert width 3072, k = 16, is K3's expert GEMMs with
 E = 384 experts on one GPU (K3's 896 do not fit with their gradients: 2 x 59 GB in bf16).
