@@ -7,7 +7,8 @@ The block is built from the TOML exactly as `titan_moe.plan.params` builds the m
 initialised, and run forward + backward `--steps` times under `torch.compile(fullgraph=False)`, so
 graph breaks are recorded instead of raised. Our Inductor passes are the TOML's `compile.passes`
 (all of them by default, as in training) unless `--passes` names others; the summary counts their
-matches.
+matches. The TOML's `compile.inductor` options apply too, as in training, and the summary names
+them.
 Every artefact comes from a hook that exists in torch 2.11 and 2.13:
 
     pre-grad graph    a dynamo backend that prints each captured GraphModule, then hands it to
@@ -39,7 +40,7 @@ import re
 import sys
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,7 @@ import torch.nn as nn
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from compile_passes.inductor_settings import inductor_settings
 from compile_passes.registry import PASS_NAMES, FusionPasses, check_pass_names, matched_counts
 from titan_moe.model.args import ConfigError, TitanMoEArgs
 from titan_moe.model.attn_res import AttnResSite
@@ -80,6 +82,7 @@ class CompileInspection:
     recompiles: list[str] = field(default_factory=list)
     aten_ops: dict[str, set[str]] = field(default_factory=dict)  # unit -> post-grad op names
     passes: list[str] = field(default_factory=list)  # our Inductor passes installed
+    inductor: dict[str, object] = field(default_factory=dict)  # compile.inductor's options
     pass_matches: dict[str, int] = field(default_factory=dict)  # pass -> matches
 
     @property
@@ -155,9 +158,10 @@ def inspect_compile(
     steps: int = 2,
     loss_fn: Callable | None = None,
     passes: Sequence[str] = (),
+    inductor: Mapping[str, object] | None = None,
 ) -> CompileInspection:
-    """Compile `module` (fullgraph=False) with our Inductor `passes`, run forward + backward
-    `steps` times, record it all.
+    """Compile `module` (fullgraph=False) with our Inductor `passes` and the `inductor` options
+    (`compile.inductor`'s), run forward + backward `steps` times, record it all.
 
     The loss is mean(out²), in fp32 or wider, unless `loss_fn(out)` is given. Later steps must
     reuse the first step's graphs, so anything they compile shows up as a recompilation.
@@ -167,6 +171,7 @@ def inspect_compile(
     counters.clear()
     recorder = _Recorder()
     patches = {
+        **(inductor or {}),  # the recorder's hooks and the cache switch below take precedence
         "fx_graph_cache": False,
         "joint_custom_pre_pass": _Hook(recorder.on_joint),
         "post_grad_custom_post_pass": _Hook(recorder.on_post_grad),
@@ -184,6 +189,7 @@ def inspect_compile(
             loss.backward()
     result = recorder.result
     result.passes = list(passes)
+    result.inductor = dict(inductor or {})
     result.pass_matches = {name: n for name, n in matched_counts().items() if name in passes}
     result.graph_breaks = dict(counters["graph_break"])
     result.recompiles = [
@@ -385,6 +391,8 @@ def _summary(result: CompileInspection, title: str) -> str:
         f"extern calls: {len(extern)} kinds ({sum(k.launches for k in extern)} launches)",
         "our passes: " + (", ".join(f"{name} ({n} matches)" for name, n in
                                     result.pass_matches.items()) or "none"),
+        "inductor options: " + (", ".join(f"{key}={value!r}" for key, value in
+                                          result.inductor.items()) or "the defaults"),
         "",
         "Files: pre_grad/, joint/, post_grad/, inductor/ (output code), kernels.md, "
         "kernels.json, graph_breaks.md.",
@@ -403,6 +411,18 @@ def passes_from_toml(path: Path) -> list[str]:
     if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
         raise ConfigError(f"compile.passes: expected a list of str, got {passes!r} ({path})")
     return passes
+
+
+def inductor_from_toml(path: Path) -> dict[str, object]:
+    """The TOML's `compile.inductor` options (none when it is not set), checked."""
+    with path.open("rb") as f:
+        texts = tomllib.load(f).get("compile", {}).get("inductor", [])
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ConfigError(f"compile.inductor: expected a list of str, got {texts!r} ({path})")
+    try:
+        return inductor_settings(texts, "compile.inductor")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_passes(passes: list[str], field: str) -> None:
@@ -443,13 +463,14 @@ def main(argv: list[str] | None = None) -> int:
         args, toml_seq_len = args_from_toml(opts.config)
         passes = opts.passes if opts.passes is not None else passes_from_toml(opts.config)
         _check_passes(passes, "--passes" if opts.passes is not None else "compile.passes")
+        inductor = inductor_from_toml(opts.config)
         seq_len = opts.seq_len or toml_seq_len
         device = _device(opts.device)
         module, inputs = build_block(opts.block, args, opts.batch, seq_len, device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = inspect_compile(module, inputs, steps=opts.steps, passes=passes)
+    result = inspect_compile(module, inputs, steps=opts.steps, passes=passes, inductor=inductor)
     title = f"{opts.block} from {opts.config} (batch {opts.batch}, seq_len {seq_len}, {device})"
     print(write_report(result, opts.out, title), end="")
     return 0

@@ -149,6 +149,22 @@ def test_passes_flag_overrides_the_toml(tiny_config, tmp_path):
     assert "aten.cat" in (tmp_path / "post_grad" / "graph0_forward.txt").read_text()
 
 
+def test_toml_inductor_options_reach_the_compile(tiny_config, tmp_path):
+    """`size_asserts=false` takes the wrapper's input size checks out of the output code, which
+    has them by default (the reference: the same block without the option)."""
+    def output_code(out: Path) -> str:
+        return "".join(p.read_text() for p in sorted((out / "inductor").iterdir()))
+
+    default = _run("attnres", tiny_config, tmp_path / "default")
+    assert "inductor options: the defaults" in default, default
+    assert "assert_size_stride(" in output_code(tmp_path / "default")
+    config = tmp_path / "asserts_off.toml"
+    config.write_text(TINY_TOML + '[compile]\ninductor = ["size_asserts=false"]\n')
+    stdout = _run("attnres", config, tmp_path / "off")
+    assert "inductor options: size_asserts=False" in stdout, stdout
+    assert "assert_size_stride(" not in output_code(tmp_path / "off")
+
+
 class _Broken(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.sin(x) * 2
@@ -199,11 +215,16 @@ def test_recompilation_is_reported_with_its_guard():
 
 
 def test_clear_one_line_errors(tiny_config, tmp_path, capsys):
+    bad_inductor = tmp_path / "bad_inductor.toml"
+    bad_inductor.write_text(TINY_TOML + '[compile]\ninductor = ["combo_kernel=true"]\n')
     cases = [
         (["--config", str(tmp_path / "missing.toml")], "no such file"),
         (["--config", str(tiny_config), "--block", "conv"], "unknown block"),
         (["--config", str(tiny_config), "--passes", "fuse_all"],
          "--passes: unknown pass 'fuse_all'; allowed: situ_glu, attn_res, kda_gate"),
+        (["--config", str(bad_inductor)],
+         "compile.inductor: 'combo_kernel=true': give KEY=VALUE with KEY an option of "
+         "torch._inductor.config"),
         (
             ["--config", str(tiny_config), "--device", f"cuda:{torch.cuda.device_count() + 7}"],
             "cuda",
