@@ -14,8 +14,9 @@ element the sum over the k slots of (ids == e) · ∂L/∂logit (ids are distinc
 that sum is the scatter). One launch, every output byte written once, no fill.
 
 σ is ops/libdevice_math.py's (torch's CUDA expression on CUDA, NumPy's exp under the
-interpreter). S and Σ g s are tree sums in fp32 where PyTorch sums left to right: the gradient
-agrees with `qb_route_triton`'s PyTorch backward to fp32 rounding (tests), not bit for bit.
+interpreter). S and Σ g s are tree sums in fp32: the gradient agrees to fp32 rounding, not bit
+for bit, with the closed form above in float64 (tests/ops/test_router.py) and with the reference's
+autograd (tests/gpu/test_router_cuda.py).
 """
 
 import torch
