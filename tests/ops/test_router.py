@@ -168,7 +168,7 @@ BF16_GRAD_RTOL = 4e-3  # one bf16 rounding (to nearest) of each gradient element
 
 
 def weights_grad_formula(ids, routed_logits, g, route_scale, n_experts) -> torch.Tensor:
-    """∂L/∂logits in float64 from the closed form (see test_reference_weight_gradient_...)."""
+    """∂L/∂logits in float64 from the closed form (route_weights_grad_triton.py has the maths)."""
     s = torch.sigmoid(routed_logits.double())
     total = s.sum(-1, keepdim=True)
     g = g.double()
@@ -304,10 +304,7 @@ def test_reference_weight_gradient_matches_formula():
     ids, weights, _, _ = qb_route(logits, bias, 3, 0.7, with_histogram=False)
     g = torch.randn(8, 3, dtype=torch.float64)
     (grad,) = torch.autograd.grad((weights * g).sum(), logits)
-    s = torch.sigmoid(logits.detach()).gather(-1, ids)
-    total = s.sum(-1, keepdim=True)
-    grad_s = 0.7 / total * (g - (g * s).sum(-1, keepdim=True) / total)
-    want = torch.zeros(8, 7, dtype=torch.float64).scatter_(-1, ids, grad_s * s * (1 - s))
+    want = weights_grad_formula(ids, logits.detach().gather(-1, ids), g, 0.7, 7)
     assert (grad - want).abs().max().item() <= 1e-15
     assert math.isclose(weights.sum(-1).mean().item(), 0.7, rel_tol=1e-14)
 
