@@ -404,21 +404,23 @@ def _summary(result: CompileInspection, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _compile_strings(path: Path, key: str, default: list[str]) -> list[str]:
+    """The TOML's `compile.<key>` (default when it is not set), checked to be a list of str."""
+    with path.open("rb") as f:
+        values = tomllib.load(f).get("compile", {}).get(key, default)
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ConfigError(f"compile.{key}: expected a list of str, got {values!r} ({path})")
+    return values
+
+
 def passes_from_toml(path: Path) -> list[str]:
     """The TOML's `compile.passes` (every pass when it is not set), checked."""
-    with path.open("rb") as f:
-        passes = tomllib.load(f).get("compile", {}).get("passes", list(PASS_NAMES))
-    if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
-        raise ConfigError(f"compile.passes: expected a list of str, got {passes!r} ({path})")
-    return passes
+    return _compile_strings(path, "passes", list(PASS_NAMES))
 
 
 def inductor_from_toml(path: Path) -> dict[str, object]:
     """The TOML's `compile.inductor` options (none when it is not set), checked."""
-    with path.open("rb") as f:
-        texts = tomllib.load(f).get("compile", {}).get("inductor", [])
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise ConfigError(f"compile.inductor: expected a list of str, got {texts!r} ({path})")
+    texts = _compile_strings(path, "inductor", [])
     try:
         return inductor_settings(texts, "compile.inductor")
     except ValueError as e:
