@@ -177,11 +177,10 @@ def test_situ_glu_kernels_write_only_their_outputs_each_through_one_argument():
     assert packed == {"situ_glu_fwd_kernel": {"h_ptr"}, "situ_glu_bwd_kernel": {"da_ptr"}}
 
 
-@pytest.mark.timeout(120)  # the analysis takes 0.1 s; the unrolled searches, > 5 min
 def test_dispatch_layout_kernels_write_only_their_outputs():
-    # Unrolled binary searches made Inductor's analysis of group_bounds_kernel walk 2^31 paths.
-    sorted_key = torch.tensor([0, 0, 1, 3, 3, 3], dtype=torch.int32)
+    pair_expert = torch.tensor([3, 0, 3, 1, 0, 3])
     got = written("titan_moe.ops.moe_dispatch.layout_triton",
-                  lambda m: m.dispatch_layout_rows_triton(sorted_key, torch.arange(6), 4, 8, 32))
-    assert got == {"group_bounds_kernel": {"bounds_ptr", "offs_ptr"},
+                  lambda m: m.dispatch_layout_triton(pair_expert, 4, 8, 32))
+    assert got == {"block_ranks_kernel": {"counts_ptr", "rank_ptr"},
+                   "group_starts_kernel": {"counts_ptr", "start_ptr", "offs_ptr", "src_ptr"},
                    "pair_rows_kernel": {"dest_ptr", "src_ptr"}}

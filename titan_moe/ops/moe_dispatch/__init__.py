@@ -3,7 +3,7 @@
 rows), laid out like fla's op folders:
 
     naive.py                  the PyTorch reference, with the maths
-    layout_triton.py          the layout after the sort (titan_moe::dispatch_layout_rows)
+    layout_triton.py          the layout, a counting sort (titan_moe::dispatch_layout)
     moe_dispatch_triton.py    the Triton ops (titan_moe::moe_dispatch / moe_combine + backwards)
 
 `dispatch_layout`, `moe_dispatch` and `moe_combine` are the entry points: on CUDA the Triton
@@ -15,10 +15,7 @@ Inductor cannot compile user Triton kernels for CPU tensors.
 import torch
 from torch import Tensor
 
-from titan_moe.ops.moe_dispatch.layout_triton import (
-    dispatch_layout_rows_call,
-    dispatch_layout_rows_triton,
-)
+from titan_moe.ops.moe_dispatch.layout_triton import dispatch_layout_call, dispatch_layout_triton
 from titan_moe.ops.moe_dispatch.moe_dispatch_triton import (
     combine_shape,
     moe_combine_bwd_triton,
@@ -34,14 +31,13 @@ from titan_moe.ops.moe_dispatch.naive import (
     layout_rows,
     moe_combine_naive,
     moe_dispatch_naive,
-    sort_pairs,
 )
 
-__all__ = ["dispatch_layout", "dispatch_layout_naive", "dispatch_layout_rows_call",
-           "dispatch_layout_rows_triton", "layout_rows", "moe_combine", "moe_combine_bwd_triton",
+__all__ = ["dispatch_layout", "dispatch_layout_call", "dispatch_layout_naive",
+           "dispatch_layout_triton", "layout_rows", "moe_combine", "moe_combine_bwd_triton",
            "moe_combine_call", "moe_combine_naive", "moe_combine_triton", "moe_dispatch",
            "moe_dispatch_bwd_triton", "moe_dispatch_call", "moe_dispatch_naive",
-           "moe_dispatch_triton", "sort_pairs"]
+           "moe_dispatch_triton"]
 
 
 def dispatch_layout(
@@ -54,8 +50,7 @@ def dispatch_layout(
     if not pair_expert.is_cuda:
         return dispatch_layout_naive(pair_expert, n_experts, align)
     n_rows = layout_rows(pair_expert.numel(), n_experts, align)
-    sorted_key, order = sort_pairs(pair_expert, n_experts)
-    return dispatch_layout_rows_call(sorted_key, order, n_experts, align, n_rows)
+    return dispatch_layout_call(pair_expert, n_experts, align, n_rows)
 
 
 def moe_dispatch(z: Tensor, dest: Tensor, src: Tensor, top_k: int) -> Tensor:

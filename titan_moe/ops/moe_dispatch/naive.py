@@ -57,19 +57,6 @@ def layout_rows(n_pairs: int, n_experts: int, align: int) -> int:
     return round_up(n_pairs + n_experts * (align - 1), align)
 
 
-SORT_KEYS = (torch.uint8, torch.int16, torch.int32)
-
-
-def sort_pairs(pair_expert: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
-    """(sorted_key, order): the pairs' experts sorted, stable, and the sort's permutation. The keys
-    take the narrowest of uint8, int16 and int32 that holds every expert id: CUDA's stable sort
-    (CUB's radix sort) passes over all of the key's bits, 8 a pass, so uint8 keys (E <= 256)
-    should take one pass and int16 two, against int64's eight (not yet timed); same order, the
-    sort being stable."""
-    key = next(dtype for dtype in SORT_KEYS if n_experts - 1 <= torch.iinfo(dtype).max)
-    return torch.sort(pair_expert.to(key), stable=True)
-
-
 def dispatch_layout_naive(
     pair_expert: Tensor, n_experts: int, align: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,8 +65,7 @@ def dispatch_layout_naive(
     padded group ends). n_rows is `layout_rows`. Pairs keep their order inside a group."""
     n_pairs = pair_expert.numel()
     n_rows = layout_rows(n_pairs, n_experts, align)
-    sorted_key, order = sort_pairs(pair_expert, n_experts)
-    sorted_expert = sorted_key.long()
+    sorted_expert, order = torch.sort(pair_expert, stable=True)
     experts = torch.arange(n_experts, device=pair_expert.device)
     ends = torch.searchsorted(sorted_expert, experts + 1)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
