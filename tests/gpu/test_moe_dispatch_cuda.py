@@ -98,6 +98,12 @@ def test_layout_op_equals_reference_on_cuda(n_pairs, n_experts, align):
     assert report == {"dest": True, "src": True, "offs": True}, report
 
 
+def test_layout_op_takes_a_strided_list_of_pairs():
+    # Every other pair of a longer list: a view the kernels cannot read as a flat array.
+    report = compare_layout(layout_pairs(2 * 3000, 37, "random").cuda()[::2], 37, 8)
+    assert report == {"dest": True, "src": True, "offs": True}, report
+
+
 def test_layout_opcheck_on_cuda():
     report = torch.library.opcheck(
         dispatch_layout_triton, (layout_pairs(300, 37, "random").cuda(), 37, 16, 864),

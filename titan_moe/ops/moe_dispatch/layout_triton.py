@@ -124,6 +124,7 @@ def _dispatch_layout(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """pair_expert [P] int64 each pair's expert -> (dest [P] int64, src [n_rows] int64, offs [E]
     int32), as `dispatch_layout_naive` returns them. Rows are int32 inside the kernels."""
+    pair_expert = pair_expert.contiguous()  # the kernels read it as a flat array
     n_pairs = pair_expert.numel()
     device = pair_expert.device
     n_blocks = triton.cdiv(n_pairs, BLOCK)
