@@ -11,9 +11,9 @@ groups, each padded with zero rows to a multiple of `group_align` (the grouped G
 buffer has the static size round_up(N·k + E·(align - 1), align) and rows past the last group's
 end are left over. The experts run as grouped GEMMs over the groups; the results are gathered
 back to (token, slot) order and summed with the combine weights. The copy in and the weighted
-gather out, and the layout (each pair's row) after the sort, are `titan_moe.ops.moe_dispatch`
-(Triton on CUDA). Every shape is static and nothing syncs with the host, so
-torch.compile(fullgraph=True) traces the layer.
+gather out, and the layout (each pair's row, a stable counting sort), are
+`titan_moe.ops.moe_dispatch` (Triton on CUDA). Every shape is static and nothing syncs with the
+host, so torch.compile(fullgraph=True) traces the layer.
 
 Token chunks (`token_chunk` > 0, long context): the flattened tokens are split into chunks of
 that many (the last may be shorter), each routed, dispatched (its own padded buffer) and run
