@@ -10,7 +10,8 @@ further off. The two GEMMs run as one, against [W_hi; W_lo] ([2E, d], so a narro
 fills a tile), and the halves of its [N, 2E] output are added.
 
 The backward keeps the same accuracy, from the same splits of the fp32 output gradient g:
-    dx = g W  ≈ g_hi W_hi + g_lo W_hi + g_hi W_lo     one GEMM over the concatenated K = 3E
+    dx = g W  ≈ g_hi W_hi + g_lo W_hi + g_hi W_lo     one GEMM over the concatenated K = 3E,
+                                                      bf16 out (x's dtype)
     dW = gᵀ x = g_hiᵀ x + g_loᵀ x                     one GEMM against [g_hi | g_lo], halves added
 (the dropped g_lo W_lo term is at most 2^-16 |g| |W|).
 
@@ -67,7 +68,9 @@ class SplitBf16Linear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_hi, w_lo = split_bf16(weight)
-            grad_x = mm_fp32(g_split, torch.cat([w_hi, w_hi, w_lo])).to(x.dtype)
+            # A bf16 GEMM: fp32 accumulation rounded once to bf16, x's dtype, as an fp32 output
+            # cast after, without writing and re-reading that [N, d] fp32 product.
+            grad_x = torch.mm(g_split, torch.cat([w_hi, w_hi, w_lo]))
         if ctx.needs_input_grad[1]:
             grad_w = _summed_halves(mm_fp32(g_split[:, :2 * grad.shape[1]].t(), x), dim=0)
         return grad_x, grad_w
