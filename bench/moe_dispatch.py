@@ -43,6 +43,8 @@ from titan_moe.ops.moe_dispatch import (
     moe_dispatch_naive,
 )
 
+GROUP_ALIGN = 8  # rows a group is padded to, the LatentMoE layer's default (model/moe.py)
+
 
 def compulsory_bytes(op: str, n: int, pairs: int, rows: int, width: int, elem: int,
                      backward: bool) -> float:
@@ -60,7 +62,7 @@ def inputs(opts, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     scores = torch.rand(opts.tokens, opts.experts, device=device, generator=gen)
     pair_expert = scores.topk(opts.top_k).indices.reshape(-1)
-    dest, src, _ = dispatch_layout(pair_expert, opts.experts, 8)
+    dest, src, _ = dispatch_layout(pair_expert, opts.experts, GROUP_ALIGN)
     rows = src.numel()
     return {
         "pair_expert": pair_expert,
@@ -76,10 +78,10 @@ def inputs(opts, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def impls(device: str, n_experts: int) -> dict[str, dict[str, Callable]]:
     """impl -> op -> fn(t, *args) of the tensors t that `inputs` makes."""
     def naive_layout(t):
-        return dispatch_layout_naive(t["pair_expert"], n_experts, 8)
+        return dispatch_layout_naive(t["pair_expert"], n_experts, GROUP_ALIGN)
 
     def layout(t):
-        return dispatch_layout(t["pair_expert"], n_experts, 8)
+        return dispatch_layout(t["pair_expert"], n_experts, GROUP_ALIGN)
 
     def naive_dispatch(t, z):
         return moe_dispatch_naive(z, t["dest"], t["src"].numel(), t["weights"].shape[1])
