@@ -59,6 +59,7 @@ def test_params_cli_prints_units():
     ({"seq_segment": -64}, "seq_segment"),
     ({"seq_segment": 100}, "seq_segment"),  # not a multiple of the KDA chunk (64)
     ({"seq_segment": 64, "kda_conv_size": 66}, "seq_segment"),  # shorter than the conv's taps
+    ({"norm_saves_output": 1}, "norm_saves_output"),
 ])
 def test_inconsistent_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=rf"titan_moe\.{field}\b"):

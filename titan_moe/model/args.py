@@ -95,6 +95,9 @@ class TitanMoEArgs(BaseModelArgs):
     # backward adds into (model/attn_res_sink.py), so a site's backward returns one source
     # gradient instead of one for each of its sources; the sites then stay out of compile.
     attn_res_grad_sink: bool = False
+    # Long context: the decoder layers' input norms save their output for backward instead of
+    # their input (model/norm.py), so a layer's backward holds two [T, dim] tensors fewer.
+    norm_saves_output: bool = False
 
     # KDA (spec §3): d_k = d_v = head_dim.
     n_heads: int = 2
@@ -191,6 +194,8 @@ class TitanMoEArgs(BaseModelArgs):
         need(self.n_shared_experts == 0 or self.shared_hidden > 0, "shared_hidden",
              "must be positive when n_shared_experts > 0")
         need(isinstance(self.attn_res_grad_sink, bool), "attn_res_grad_sink",
+             "must be true or false")
+        need(isinstance(self.norm_saves_output, bool), "norm_saves_output",
              "must be true or false")
         need(isinstance(self.moe_token_chunk, int) and self.moe_token_chunk >= 0,
              "moe_token_chunk", "must be an integer >= 0 (tokens a MoE chunk; 0: no chunks)")

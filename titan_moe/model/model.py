@@ -47,8 +47,8 @@ class DecoderLayer(nn.Module):
         self.grad_sink = sink
         self.mixer_site = AttnResSite(args.dim, args.attn_res_eps, sink) if layer_id > 0 else None
         self.ffn_site = AttnResSite(args.dim, args.attn_res_eps, sink)
-        self.mixer_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.mixer_norm = RMSNorm(args.dim, args.norm_eps, args.norm_saves_output)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_saves_output)
         self.mixer = GatedMLA(args) if args.is_mla(layer_id) else KimiDeltaAttention(args)
         if args.is_moe(layer_id):
             self.ffn = LatentMoE(
