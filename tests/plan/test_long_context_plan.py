@@ -335,3 +335,17 @@ def test_seq_segment_excludes_context_parallel_layouts(tmp_path):
     path.write_text('[titan_moe]\nseq_segment = 64\n[training]\nseq_len = 256\n')
     cfg = load_plan_config(str(path))
     assert {e.cp for e in layouts(cfg, 8, parameter_counts(cfg.args), {})} == {1}
+
+
+def test_saving_norms_drop_the_sites_outputs_from_every_layers_saves(tiny):
+    """With norm_saves_output the two input norms save their outputs, which the mixer and the
+    FFN (whole, or their segments' and chunks' checkpoints) save anyway: a layer's plan loses
+    its AttnRes sites' outputs, b·t·d bf16 bytes each, and nothing else. Layer 0 has one site:
+    its mixer norm reads the layer's input (the embedding), which no layer's saves count."""
+    args, b, t = tiny.args, tiny.local_batch, 192
+    for pieces in (args, replace(args, seq_segment=64, moe_token_chunk=128)):
+        for layer_id in range(args.n_layers):
+            off = layer_activation_bytes(pieces, layer_id, b, t).total
+            on = layer_activation_bytes(replace(pieces, norm_saves_output=True), layer_id, b, t)
+            sites = 1 if layer_id == 0 else 2
+            assert off - on.total == sites * b * t * args.dim * 2, (layer_id, pieces.seq_segment)

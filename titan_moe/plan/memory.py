@@ -282,6 +282,16 @@ class _SavesForBackward(torch.autograd.Function):
         raise RuntimeError("a memory-plan stand-in; it never runs backward")
 
 
+class _SavesOutputForBackward(_SavesForBackward):
+    """Output of a given shape; saves it and the given tensors."""
+
+    @staticmethod
+    def forward(ctx, out_like: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(out_like)
+        ctx.save_for_backward(out, *saved)
+        return out
+
+
 def _flash_attention(q, k, v, attn_mask=None, is_causal=False, scale=None):
     b, h, t, _ = q.shape
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
@@ -362,7 +372,10 @@ def _situ_glu_packed(ab, beta1=4.0, beta2=25.0):
 
 
 def _rms_norm(self, x):
-    return _SavesForBackward.apply(x, x, x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))
+    rstd = x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+    if self.saves_output:  # model/norm.py: its output instead of its input
+        return _SavesOutputForBackward.apply(x, rstd)
+    return _SavesForBackward.apply(x, x, rstd)
 
 
 @contextlib.contextmanager
