@@ -17,7 +17,9 @@ segments (each against its causal prefix's keys) and the dense FFN by token chun
 its own checkpoint (titan_moe.seq_segment: a layer's recompute holds one segment's projections,
 conv outputs and gates instead of all T positions'), and with --attn-res-sink the finished
 blocks' gradients summed in place by the AttnRes sites' eager backward (titan_moe.
-attn_res_grad_sink: a site returns one source gradient, not one a source). Parameters are
+attn_res_grad_sink: a site returns one source gradient, not one a source), and with
+--norm-saves-output the layers' input norms saving their outputs (titan_moe.norm_saves_output:
+the sites' outputs are then saved by nothing, two [T, d] tensors fewer a layer). Parameters are
 bf16 (FSDP's param_dtype in training; no fp32 master copy or optimizer state is held here).
 Documents of --doc-len tokens keep attention's cost T·doc_len rather than T².
 Per length: time of the step (median of --iters after --warmup), time per token, and
@@ -58,12 +60,14 @@ TINY_LENGTHS = "128,256"
 
 
 def model_args(flavor: str, n_layers: int | None, moe_chunk: int = 0,
-               seq_segment: int = 0, attn_res_sink: bool = False) -> TitanMoEArgs:
+               seq_segment: int = 0, attn_res_sink: bool = False,
+               norm_saves_output: bool = False) -> TitanMoEArgs:
     args = get_flavor(flavor)
     if n_layers is not None:
         args.n_layers, args.mla_layers = n_layers, (n_layers,)
     args.moe_token_chunk, args.seq_segment = moe_chunk, seq_segment
     args.attn_res_grad_sink = attn_res_sink
+    args.norm_saves_output = norm_saves_output
     return args.validate()
 
 
@@ -282,6 +286,9 @@ def main() -> None:
                         help="activation checkpointing of every decoder layer, or none")
     parser.add_argument("--attn-res-sink", action="store_true",
                         help="the blocks' gradients summed in place (titan_moe.attn_res_grad_sink)")
+    parser.add_argument("--norm-saves-output", action="store_true",
+                        help="the layers' input norms save their outputs, not their inputs "
+                             "(titan_moe.norm_saves_output)")
     parser.add_argument("--offload", action="store_true",
                         help="saved layer inputs to pinned host memory (needs --ac full)")
     parser.add_argument("--compile", action="store_true",
@@ -311,7 +318,7 @@ def main() -> None:
         parser.error("--offload needs --ac full")
     try:
         model_cfg = model_args(args.flavor, args.n_layers, args.moe_chunk, args.seq_segment,
-                               args.attn_res_sink)
+                               args.attn_res_sink, args.norm_saves_output)
     except ConfigError as error:
         parser.error(str(error))
     model = build(model_cfg, device, dtype, args.ac, args.compile)
@@ -346,6 +353,7 @@ def main() -> None:
                            "offload": args.offload, "loss_chunk": args.loss_chunk,
                            "moe_chunk": args.moe_chunk, "seq_segment": args.seq_segment,
                            "attn_res_sink": args.attn_res_sink,
+                           "norm_saves_output": args.norm_saves_output,
                            "rows": rows}, f, indent=2)
 
 
