@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_moe.model import norm as norm_module
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import DecoderLayer
 from titan_moe.model.norm import RMSNorm
@@ -98,12 +99,20 @@ def test_backward_keeps_the_output_and_not_the_input(compiled):
     assert len(big) == 1 and big[0].dtype == torch.bfloat16
 
 
-def test_without_grad_the_saving_norm_is_the_fused_norm():
+def test_without_grad_the_saving_norm_runs_the_fused_norm(monkeypatch):
+    """Decoding (no autograd) keeps torch's fused rms_norm: the saving path is never entered."""
     x, w, _ = inputs(torch.bfloat16)
-    plain = RMSNorm(w.shape[0], EPS)
+    norm = saving_norm(w)
+
+    def entered(*args):
+        raise AssertionError("the output-saving path ran")
+
+    monkeypatch.setattr(norm_module._RMSNormSavingOutput, "apply", entered)
     with torch.no_grad():
-        plain.weight.copy_(w)
-        assert torch.equal(saving_norm(w)(x), plain(x))
+        y = norm(x)
+    assert rel_rms(y, reference(x, w, x)[0]) < 2.0**-8
+    with pytest.raises(AssertionError, match="output-saving path"):
+        norm(x)
 
 
 def test_a_decoder_layer_with_saving_norms_computes_the_same_and_keeps_no_site_output():

@@ -96,7 +96,7 @@ class TitanMoEArgs(BaseModelArgs):
     # gradient instead of one for each of its sources; the sites then stay out of compile.
     attn_res_grad_sink: bool = False
     # Long context: the decoder layers' input norms save their output for backward instead of
-    # their input (model/norm.py), so a layer's backward holds two [T, dim] tensors fewer.
+    # their input (model/norm.py), so a layer's recompute saves two [T, dim] tensors fewer.
     norm_saves_output: bool = False
 
     # KDA (spec §3): d_k = d_v = head_dim.

@@ -9,7 +9,8 @@ the input is upcast first: one fused fp32 kernel, which is also the precision th
 and rstd instead of its input x, and reads x̂ = x · rstd back as y / w (Apex's and Megatron's
 memory-efficient norms do the same). A decoder layer's mixer and FFN keep y anyway (their
 segments' and chunks' checkpoints save it), while x, an AttnRes site's output, is saved by the
-norm alone: under full AC a layer's backward then holds two [T, d] tensors fewer. The price: x̂
+norm alone: under full AC a layer's recompute then saves two [T, d] tensors fewer (at 512K on
+an H100 the step's peak fell by one: bench/RESULTS.md, 2026-12-07). The price: x̂
 comes from the rounded output (bf16: 2^-9 relative an element) instead of the exact input, and a
 weight element of exactly 0 makes its channel's gradients NaN (0 / 0).
 """
