@@ -6,6 +6,8 @@ the output rounded to bf16 (2^-9 relative an element), so dx and dw stay within 
 RMS of the float64 gradients (seen 6e-4 and 1.8e-3); a wrong formula is off by O(1).
 """
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -47,17 +49,24 @@ def saving_norm(w: torch.Tensor) -> RMSNorm:
     return norm
 
 
-def run(norm: RMSNorm, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
-    """(y, dx, dw, the storages autograd saved, x's leaf)."""
-    x = x.detach().requires_grad_()
-    fn = torch.compile(norm, fullgraph=True) if compiled else norm
-    saved = {}
+@contextlib.contextmanager
+def saved_storages() -> Iterator[dict[int, torch.Tensor]]:
+    """Storage id -> a tensor autograd saved on it, for what runs inside."""
+    saved: dict[int, torch.Tensor] = {}
 
-    def pack(t):
+    def pack(t: torch.Tensor) -> torch.Tensor:
         saved[t.untyped_storage()._cdata] = t
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def run(norm: RMSNorm, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
+    """(y, dx, dw, the storages autograd saved, x's leaf)."""
+    x = x.detach().requires_grad_()
+    fn = torch.compile(norm, fullgraph=True) if compiled else norm
+    with saved_storages() as saved:
         y = fn(x)
     dx, dw = torch.autograd.grad(y, (x, norm.weight), dy)
     return y, dx, dw, saved, x
@@ -91,9 +100,8 @@ def test_saving_output_norm_bf16_gradients_within_its_rounding(compiled):
 def test_backward_keeps_the_output_and_not_the_input(compiled):
     x, w, dy = inputs(torch.bfloat16)
     y, _, _, saved, leaf = run(saving_norm(w), x, dy, compiled)
-    storages = set(saved)
-    assert y.untyped_storage()._cdata in storages
-    assert leaf.untyped_storage()._cdata not in storages
+    assert y.untyped_storage()._cdata in saved
+    assert leaf.untyped_storage()._cdata not in saved
     # Nothing else of x's size: no fp32 copy of the input either.
     big = [t for t in saved.values() if t.numel() == x.numel()]
     assert len(big) == 1 and big[0].dtype == torch.bfloat16
@@ -137,15 +145,10 @@ def test_a_decoder_layer_with_saving_norms_computes_the_same_and_keeps_no_site_o
                for _ in range(n_sources)]
     results = {}
     for on, layer in layers.items():
-        site_outputs, saved = [], set()
+        site_outputs = []
         hooks = [site.register_forward_hook(lambda m, i, o, outs=site_outputs: outs.append(o))
                  for site in (layer.mixer_site, layer.ffn_site)]
-
-        def pack(t, saved=saved):
-            saved.add(t.untyped_storage()._cdata)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages() as saved:
             _, partial = layer(sources[:-1], sources[-1], None)
         for hook in hooks:
             hook.remove()
