@@ -179,7 +179,9 @@ def weights_grad_formula(ids, routed_logits, g, route_scale, n_experts) -> torch
 
 def run_weights_grad(n_tokens, n_experts, k, dtype) -> dict:
     """route_weights_grad (interpreted, through its op and its direct call) against the float64
-    closed form: relative RMS error, and whether every unrouted element is exactly 0."""
+    closed form: relative RMS error, whether every unrouted element is exactly 0, and whether a
+    gradient constant over each row (a power of two) gives exactly 0 everywhere, as the closed
+    form does in IEEE arithmetic (the weights sum to ρ in every row)."""
     from titan_moe.ops.router import route_weights_grad_call, route_weights_grad_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -188,11 +190,14 @@ def run_weights_grad(n_tokens, n_experts, k, dtype) -> dict:
     g = torch.randn(n_tokens, k, generator=gen)
     want = weights_grad_formula(ids, routed_logits, g, 1.5, n_experts)
     unrouted = torch.ones(n_tokens, n_experts, dtype=torch.bool).scatter_(-1, ids, False)
+    row_constant = 2.0 ** torch.randint(-3, 4, (n_tokens, 1), generator=gen).expand(-1, k)
     report = {}
     for path, op in (("op", route_weights_grad_triton), ("direct", route_weights_grad_call)):
         got = op(ids, routed_logits, g, 1.5, n_experts)
         report[path] = {"dtype_ok": got.dtype == dtype,
                         "unrouted_zero": bool((got[unrouted] == 0).all()),
+                        "row_constant_zero": bool((op(ids, routed_logits, row_constant, 1.5,
+                                                      n_experts) == 0).all()),
                         "rel": ((got.double() - want).norm() / want.norm()).item()}
     return report
 
@@ -237,6 +242,7 @@ def test_weights_grad_kernel_matches_float64_formula_under_interpreter(results, 
     bound = BF16_GRAD_RTOL if WEIGHTS_GRAD_CASES[name][3] == torch.bfloat16 else FP32_GRAD_RTOL
     for path in ("op", "direct"):
         assert report[path]["dtype_ok"] and report[path]["unrouted_zero"], report
+        assert report[path]["row_constant_zero"], report
         assert report[path]["rel"] <= bound, report
 
 

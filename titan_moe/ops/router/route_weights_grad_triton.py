@@ -14,9 +14,10 @@ element the sum over the k slots of (ids == e) · ∂L/∂logit (ids are distinc
 that sum is the scatter). One launch, every output byte written once, no fill.
 
 σ is ops/libdevice_math.py's (torch's CUDA expression on CUDA, NumPy's exp under the
-interpreter). S and Σ g s are tree sums in fp32: the gradient agrees to fp32 rounding, not bit
-for bit, with the closed form above in float64 (tests/ops/test_router.py) and with the reference's
-autograd (tests/gpu/test_router_cuda.py).
+interpreter); both divisions are IEEE ones (`tl.math.div_rn`), as torch's. S and Σ g s are tree
+sums in fp32: the gradient agrees to fp32 rounding, not bit for bit, with the closed form above
+in float64 (tests/ops/test_router.py) and with the reference's autograd
+(tests/gpu/test_router_cuda.py).
 """
 
 import torch
@@ -46,7 +47,11 @@ def route_weights_grad_kernel(ids_ptr, logit_ptr, g_ptr, out_ptr, T, route_scale
     g = tl.load(g_ptr + pair, mask=routed, other=0.0).to(tl.float32)
     total = tl.sum(s, axis=1)
     g_dot_s = tl.sum(g * s, axis=1)
-    grad = route_scale / total[:, None] * (g - (g_dot_s / total)[:, None]) * s * (1.0 - s)
+    # IEEE divisions (Triton's `/` on fp32 is div.full.f32 on CUDA, up to 2 ulp): with them
+    # g - Σ g s / S is exactly 0 where g is constant over a row, as in torch's autograd and under
+    # the interpreter, instead of an ulp of noise that Adam's ε-sized denominators amplify
+    mean_g = tl.math.div_rn(g_dot_s, total)
+    grad = route_scale * tl.math.div_rn(g - mean_g[:, None], total[:, None]) * s * (1.0 - s)
     ids = tl.load(ids_ptr + pair, mask=routed, other=-1)
     for e0 in range(0, E, BLOCK_E):
         cols = e0 + tl.arange(0, BLOCK_E)
