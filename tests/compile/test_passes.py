@@ -11,6 +11,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from compile_passes import registry
 from compile_passes.inspect import inspect_compile
 from compile_passes.registry import FusionPasses, matched_counts
+from tests.metrics import rel_max
 from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.attn_res import AttnResSite
 from titan_moe.model.norm import RMSNorm
@@ -20,10 +21,6 @@ from titan_moe.ops.situ_glu import situ_glu_packed
 RTOL = 1e-5  # fp32 compiled vs eager, relative to each tensor's largest magnitude
 # The AttnRes tests run with scalar C++ kernels (tests/scalar_cpp.py); the SiTU-GLU tests, which
 # count the generated kernels, keep the default.
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 class _SiTUGLU(nn.Module):
@@ -52,7 +49,7 @@ def test_situ_glu_pass_fires_and_keeps_one_kernel_each_way():
         assert len(generated) == 1, generated
         assert "compile_passes.situ_glu" in result.post_grad[unit]
     for c, e in zip(compiled, eager, strict=True):
-        assert _rel(c, e) < RTOL
+        assert rel_max(c, e) < RTOL
 
 
 class _PackedSiTUGLU(nn.Module):
@@ -70,7 +67,7 @@ def test_situ_glu_pass_fires_on_the_packed_form_and_keeps_one_kernel_each_way():
     for unit in ("graph0_forward", "graph0_backward"):
         generated = [k for k in result.kernels if k.unit == unit and k.kind == "generated"]
         assert len(generated) == 1, generated
-    assert _rel(compiled[0], eager[0]) < RTOL
+    assert rel_max(compiled[0], eager[0]) < RTOL
 
 
 # (site parameters' dtype, sources' dtypes): fp32 alone; the training layout under bf16 autocast
@@ -95,8 +92,7 @@ def test_attn_res_pass_fires_and_preserves_gradients(layout):
     assert "aten.mv" not in result.post_grad["graph0_forward"]
     for c, e in zip(compiled, eager, strict=True):
         # Gradients of bf16 sources are rounded to bf16 at the end: one rounding apart.
-        assert _rel(c, e) < (RTOL if c.dtype == torch.float32 else 1e-2)
-
+        assert rel_max(c, e) < (RTOL if c.dtype == torch.float32 else 1e-2)
 
 
 @scalar_cpp()
@@ -117,9 +113,9 @@ def test_attn_res_pass_compiles_dynamic_shapes_and_matches_eager():
         x.grad = None
     want = site(sources)
     want.square().mean().backward()
-    assert _rel(out, want) < RTOL
+    assert rel_max(out, want) < RTOL
     for got, ref in zip(grads, (x.grad for x in sources), strict=True):
-        assert _rel(got, ref) < RTOL
+        assert rel_max(got, ref) < RTOL
 
 
 CONVERT = torch.ops.prims.convert_element_type.default
@@ -193,7 +189,7 @@ def test_attn_res_pass_matches_the_cuda_graph(rewrite):
     assert matched == 1
     _loss(module(sources)).backward()
     for c, e in zip(got, [x.grad for x in sources], strict=True):
-        assert _rel(c, e) < tol
+        assert rel_max(c, e) < tol
 
 
 @scalar_cpp()
@@ -240,7 +236,7 @@ def test_kda_gate_replacement_equals_the_gate_cumsum_in_float64():
     A_log, dt_bias = torch.randn(2, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
     want = _search(g_raw, A_log, dt_bias, -5.0)
     got = gate_chunk_cumsum(g_raw, A_log, dt_bias, -5.0)
-    assert _rel(got, want) < 1e-12  # float64: only summation order differs
+    assert rel_max(got, want) < 1e-12  # float64: only summation order differs
 
 
 def test_unknown_pass_name_is_a_clear_error():

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.distributed.harness import end_rank
+from tests.metrics import rel_max
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.context_parallel import apply_context_parallel, shard_sequence
@@ -57,10 +58,6 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 BACKENDS = {"eager": None, "compiled": "inductor"}
 
 
@@ -77,11 +74,11 @@ def _check(backend: str | None, reference: TitanMoE, full_logits: torch.Tensor,
 
     logits = torch.cat([torch.empty_like(local) for _ in range(WORLD)], 1)
     dist.all_gather(list(logits.chunk(WORLD, 1)), local.detach().contiguous())
-    assert _rel(logits, full_logits.detach()) < RTOL
+    assert rel_max(logits, full_logits.detach()) < RTOL
     for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        assert _rel(grad, ref.grad) < RTOL, (name, _rel(grad, ref.grad))
+        assert rel_max(grad, ref.grad) < RTOL, (name, rel_max(grad, ref.grad))
     if backend is not None:  # the model ran compiled: every sublayer kind is a graph
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 8
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed.harness import build_model, global_batch
+from tests.metrics import rel_max
 from titan_moe.train.chunked_loss import (
     ChunkedCrossEntropy,
     chunked_linear_cross_entropy,
@@ -44,10 +45,6 @@ def test_chunked_loss_and_gradients_match_full_logits():
     assert (d_weight - ref_weight).abs().max() < TOL
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
 def _model_loss_and_grads(chunk: int, autocast: bool) -> tuple[torch.Tensor, dict]:
     model = build_model()
     tokens, doc_ids = global_batch(model.args.vocab_size)
@@ -70,17 +67,17 @@ def _model_loss_and_grads(chunk: int, autocast: bool) -> tuple[torch.Tensor, dic
 def test_trainer_loss_path_matches_full_logits_loss():
     loss, grads = _model_loss_and_grads(chunk=48, autocast=False)
     ref_loss, ref_grads = _model_loss_and_grads(chunk=0, autocast=False)
-    assert _rel(loss, ref_loss) < MODEL_RTOL
+    assert rel_max(loss, ref_loss) < MODEL_RTOL
     assert grads.keys() == ref_grads.keys() and "output.weight" in grads
     for name, grad in grads.items():
-        assert _rel(grad, ref_grads[name]) < MODEL_RTOL, (name, _rel(grad, ref_grads[name]))
+        assert rel_max(grad, ref_grads[name]) < MODEL_RTOL, (name, rel_max(grad, ref_grads[name]))
 
 
 def test_trainer_loss_path_under_bf16_autocast():
     loss, grads = _model_loss_and_grads(chunk=48, autocast=True)
     ref_loss, ref_grads = _model_loss_and_grads(chunk=0, autocast=True)
-    assert _rel(loss, ref_loss) < BF16_RTOL
+    assert rel_max(loss, ref_loss) < BF16_RTOL
     for name in ("output.weight", "tok_embeddings.weight", "layers.0.mixer.w_q.weight"):
         assert grads[name].dtype == torch.float32
-        assert _rel(grads[name], ref_grads[name]) < BF16_RTOL, (name, _rel(grads[name],
+        assert rel_max(grads[name], ref_grads[name]) < BF16_RTOL, (name, rel_max(grads[name],
                                                                           ref_grads[name]))

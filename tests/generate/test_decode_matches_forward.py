@@ -9,13 +9,10 @@ largest logit.
 import pytest
 import torch
 
+from tests.metrics import rel_max
 from titan_moe.serve.generate import Generator, Sampling, Session
 
 RTOL = 1e-4
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @pytest.mark.parametrize("pieces", [(64, 1, 1, 1), (37, 50, 1, 13, 1), (130, 1, 1)])
@@ -31,7 +28,7 @@ def test_chunked_prefill_then_steps_equal_full_forward(model, pieces):
             valid = torch.ones(2, n, dtype=torch.bool)
             outs.append(model(tokens[:, start : start + n], cache=cache, valid=valid))
             start += n
-    assert _rel(torch.cat(outs, 1), full) < RTOL
+    assert rel_max(torch.cat(outs, 1), full) < RTOL
 
 
 def test_ragged_batch_equals_each_row_alone(model):
@@ -51,8 +48,8 @@ def test_ragged_batch_equals_each_row_alone(model):
         n = len(prompt)
         want = logp[n - 1 : n - 1 + len(completion.tokens)].gather(
             1, torch.tensor(completion.tokens)[:, None])[:, 0]
-        assert _rel(torch.tensor(completion.logprobs), want) < RTOL
-        assert _rel(torch.log_softmax(session.last_logits[b], -1), logp[-1]) < RTOL
+        assert rel_max(torch.tensor(completion.logprobs), want) < RTOL
+        assert rel_max(torch.log_softmax(session.last_logits[b], -1), logp[-1]) < RTOL
 
 
 def test_multi_turn_extend_continues_the_state(model):
@@ -71,7 +68,7 @@ def test_multi_turn_extend_continues_the_state(model):
         with torch.no_grad():
             logits = model(torch.tensor([row]))[0]
         assert second[b].tokens[0] == int(logits[len(row) - 4].argmax())
-        assert _rel(session.last_logits[b], logits[-1]) < RTOL
+        assert rel_max(session.last_logits[b], logits[-1]) < RTOL
 
 
 def test_kda_state_does_not_grow_with_context(model):

@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import titan_moe.model.mla as mla_module
+from tests.metrics import rel_max
 from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.kda import StaticKDAState
 from titan_moe.model.mla import GatedMLA, StaticMLACache
@@ -25,10 +26,6 @@ from titan_moe.serve.generate import Generator, Sampling, Session
 from titan_moe.serve.static_decode import StaticGenerator, StaticSession, cache_bytes
 
 RTOL = 1e-4
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def _check_against_full_forward(model, session, prompts, done) -> None:
@@ -41,8 +38,8 @@ def _check_against_full_forward(model, session, prompts, done) -> None:
         n = len(prompt)
         want = logp[n - 1 : n - 1 + len(completion.tokens)].gather(
             1, torch.tensor(completion.tokens)[:, None])[:, 0]
-        assert _rel(torch.tensor(completion.logprobs), want) < RTOL, b
-        assert _rel(torch.log_softmax(session.last_logits[b], -1), logp[-1]) < RTOL, b
+        assert rel_max(torch.tensor(completion.logprobs), want) < RTOL, b
+        assert rel_max(torch.log_softmax(session.last_logits[b], -1), logp[-1]) < RTOL, b
 
 
 def _prompts(model, lengths, seed):
@@ -70,7 +67,6 @@ def test_static_decode_past_300_tokens_equals_full_forward(model, lengths, backe
     if counter is not None:
         assert counter.frame_count == 1
         assert counter.op_count > 0
-
 
 
 def test_dense_prefill_by_key_segments_equals_full_forward(model, monkeypatch):
@@ -116,9 +112,9 @@ def test_stops_and_inactive_rows_match_the_dynamic_session(model):
     for a, b in zip(dyn1 + dyn2, st1 + st2, strict=True):
         assert a.tokens == b.tokens and a.stopped == b.stopped
         if a.logprobs:
-            assert _rel(torch.tensor(b.logprobs), torch.tensor(a.logprobs)) < RTOL
+            assert rel_max(torch.tensor(b.logprobs), torch.tensor(a.logprobs)) < RTOL
     assert st1[2].tokens == []  # the inactive row
-    assert _rel(st_last, dyn_last) < RTOL
+    assert rel_max(st_last, dyn_last) < RTOL
 
 
 @pytest.mark.slow

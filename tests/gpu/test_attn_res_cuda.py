@@ -13,6 +13,7 @@ for Gaussian values, bound BF16_GRAD_RTOL = 3e-3 (a truncating store would reach
 import pytest
 import torch
 
+from tests.metrics import rel_rms
 from titan_moe.ops.attn_res import (
     attn_res_mix,
     attn_res_mix_naive,
@@ -30,11 +31,6 @@ FP32_RTOL = 1e-5
 BF16_GRAD_RTOL = 3e-3
 COMPILED_RTOL = 1e-6  # the same kernels; only PyTorch's glue (u = γ ⊙ w, the du sum) may differ
 EPS = 1e-6
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 def make_inputs(rows: int, dim: int, n: int, seed: int = 0):

@@ -6,7 +6,7 @@ import torch
 
 from compile_passes.registry import PASS_NAMES, matched_counts
 from tests.gpu.bf16_tolerance import BF16_RTOL
-from tests.gpu.bf16_tolerance import max_relative_error as _rel
+from tests.metrics import rel_max
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.grouped_mm import grouped_mm, grouped_mm_reference
@@ -44,7 +44,7 @@ def test_debug_model_bf16_compiled_matches_eager_on_cuda():
     # Triton op (titan_moe/ops/attn_res), with no stacked sources to match: only situ_glu fires.
     fired = matched_counts()
     assert fired["situ_glu"] > 0 and fired["attn_res"] == 0 and fired["kda_gate"] == 0, fired
-    assert _rel(out, eager) < BF16_RTOL
+    assert rel_max(out, eager) < BF16_RTOL
     # Gradients that depend on which experts a token picked (routed experts, router rows) are
     # compared as one vector: in bf16 a token whose top-k scores nearly tie can switch experts
     # between eager and compiled (seen on the H200: one expert's w1 gradient differed by 18%
@@ -56,7 +56,7 @@ def test_debug_model_bf16_compiled_matches_eager_on_cuda():
     assert float((got - want).norm() / want.norm()) < 5 * BF16_RTOL
     for n, p in params.items():
         if n in grads and n not in experts and grads[n].abs().max() > 0:
-            assert _rel(p.grad, grads[n]) < 5 * BF16_RTOL, n
+            assert rel_max(p.grad, grads[n]) < 5 * BF16_RTOL, n
 
 
 def test_grouped_mm_bf16_matches_reference():
@@ -68,7 +68,7 @@ def test_grouped_mm_bf16_matches_reference():
     offs = sizes.cumsum(0).to(torch.int32).cuda()
     out = grouped_mm(x, w, offs)
     ref = grouped_mm_reference(x.float(), w.float(), offs)
-    assert _rel(out, ref) < 1e-2
+    assert rel_max(out, ref) < 1e-2
 
 
 def test_debug_model_with_attn_res_sinks_matches_without_on_cuda():
@@ -97,9 +97,9 @@ def test_debug_model_with_attn_res_sinks_matches_without_on_cuda():
     eager_out, eager = run(sink=True, compiled=False)
     assert torch.equal(eager_out, want_out)
     compiled_out, compiled = run(sink=True, compiled=True)
-    assert _rel(compiled_out, want_out) < BF16_RTOL
+    assert rel_max(compiled_out, want_out) < BF16_RTOL
     for grads in (eager, compiled):
         assert grads.keys() == want.keys()
         for n, g in want.items():
             if ".ffn.experts." not in n and ".ffn.router." not in n and g.abs().max() > 0:
-                assert _rel(grads[n], g) < 5 * BF16_RTOL, n
+                assert rel_max(grads[n], g) < 5 * BF16_RTOL, n

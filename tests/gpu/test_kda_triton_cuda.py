@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.metrics import rel_rms
 from tests.ops.zero_fills import ZeroFills
 from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
@@ -49,11 +50,6 @@ CASES = {
     "H16-varlen-fused-gate": (1, 700, 16, 128, "fused", [0, 5, 64, 200, 201, 450, 700]),
 }
 FLA_CASES = [name for name in CASES if name.startswith("H16-")]
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm()).item()
 
 
 def make_case(batch, seq_len, heads, d, gate, seed=0):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.metrics import rel_max
 from titan_moe.ops.document_attention import (
     document_causal_mask,
     static_varlen_document_attention,
@@ -11,10 +12,6 @@ from titan_moe.ops.document_attention import (
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2  # bf16 inputs and Flash's bf16 output, relative to the largest magnitude
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,11 +35,11 @@ def test_varlen_matches_masked_sdpa(prefix):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(z.float().transpose(1, 2) for z in (q, k, v)), attn_mask=mask, scale=scale
     ).transpose(1, 2)
-    assert _rel(out, ref) < TOL
+    assert rel_max(out, ref) < TOL
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
-        assert _rel(g, r) < TOL
+        assert rel_max(g, r) < TOL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,8 +61,8 @@ def test_static_varlen_matches_masked_sdpa(starts):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(z.float().transpose(1, 2) for z in (q, k, v)), attn_mask=document_causal_mask(doc),
         scale=scale).transpose(1, 2)
-    assert _rel(out, ref) < TOL
+    assert rel_max(out, ref) < TOL
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
-        assert _rel(g, r) < TOL
+        assert rel_max(g, r) < TOL

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from compile_passes.inspect import inspect_compile
+from tests.metrics import rel_rms
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.quantile_balance import QuantileBalancer
 from titan_moe.ops.router import qb_route, qb_route_naive, qb_route_triton
@@ -39,11 +40,6 @@ pytestmark = [
 
 FP32_GRAD_RTOL = 1e-6
 BF16_RTOL = 3e-2  # relative RMS error of a bf16 layer against float64
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double().cpu(), want.detach().double().cpu()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 @pytest.mark.parametrize(("n_tokens", "n_experts", "n_bins", "dtype"), [
@@ -214,7 +210,6 @@ def test_compiled_logits_gradient_is_the_one_gradient_kernel():
     eager_logits = logits.clone().requires_grad_()
     qb_route(eager_logits, bias, 8)[1].float().square().mean().backward()
     assert rel_rms(compiled_logits.grad, eager_logits.grad) <= FP32_GRAD_RTOL
-
 
 
 @pytest.mark.parametrize(("n_experts", "k"), [(896, 16), (4, 2)], ids=["E896-k16", "E4-k2"])

@@ -12,6 +12,7 @@ FP32_RTOL.
 import pytest
 import torch
 
+from tests.metrics import rel_rms
 from titan_moe.model.args import get_flavor
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.ops.short_conv import short_conv, short_conv_naive, short_conv_triton
@@ -24,11 +25,6 @@ pytestmark = [
 FP32_RTOL = 1e-5
 BF16_RTOL = 4e-3
 LAYER_RTOL = 2e-2  # a bf16 KDA layer, compiled vs eager (the KDA suite's gradient bound)
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 def proxy_inputs(dtype, batch=2, seq_len=4096, channels=2048, taps=4, seed=0):

@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.testing import EagerAndRecordGraphs
 
 from compile_passes.inspect import inspect_compile
+from tests.metrics import rel_rms
 from tests.ops.test_situ_glu import compare_packed
 from titan_moe.ops.situ_glu import (
     situ_glu,
@@ -27,11 +28,6 @@ pytestmark = [
 
 BF16_RTOL = 5e-3
 BETA1, BETA2 = 4.0, 25.0
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("scale", [3.0, 40.0], ids=["moderate", "saturating"])

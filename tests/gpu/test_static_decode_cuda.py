@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.gpu.bf16_tolerance import BF16_RTOL
-from tests.gpu.bf16_tolerance import max_relative_error as _rel
+from tests.metrics import rel_max
 from titan_moe.model.args import get_flavor
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.model import TitanMoE
@@ -58,9 +58,9 @@ def test_cudagraph_step_matches_eager_compiles_once_and_never_syncs():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         want = eager.step_logits(token, running)
-        worst = max(worst, _rel(got, want))
+        worst = max(worst, rel_max(got, want))
         dyn = dynamic.model(token[:, None], cache=dynamic.cache, valid=running[:, None])[:, -1]
-        worst = max(worst, _rel(got, dyn.float()))
+        worst = max(worst, rel_max(got, dyn.float()))
         token = got.argmax(-1)
     assert worst < BF16_RTOL, worst
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
@@ -84,7 +84,7 @@ def test_mla_decode_op_matches_float64_reference_on_cuda(dtype, batch, slots, po
     p = torch.tensor(pos, device="cuda")
     got = mla_decode_triton(q, kv, valid, p, 320**-0.5, 256)
     want = mla_decode_attention_naive(q.double(), kv.double(), valid, p, 320**-0.5, 256)
-    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else BF16_RTOL)
+    assert rel_max(got, want) < (1e-5 if dtype == torch.float32 else BF16_RTOL)
 
 
 def test_mla_decode_op_opcheck_on_cuda():
@@ -126,7 +126,7 @@ def test_sessions_of_two_lengths_share_one_compile_on_cuda():
         token = graphed.last_logits.argmax(-1)
         for _ in range(8):
             got = graphed.step_logits(token, running).clone()
-            worst = max(worst, _rel(got, eager.step_logits(token, running)))
+            worst = max(worst, rel_max(got, eager.step_logits(token, running)))
             token = got.argmax(-1)
     assert worst < BF16_RTOL, worst
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
@@ -151,5 +151,5 @@ def test_dense_prefill_through_flash_matches_the_full_forward_on_cuda(monkeypatc
         chunks.append(session.last_logits.clone())
     want = model(prompts.cuda()).float()
     ends = [min(start + 256, 1000) - 1 for start in range(0, 1000, 256)]
-    worst = max(_rel(got, want[:, end]) for got, end in zip(chunks, ends, strict=True))
+    worst = max(rel_max(got, want[:, end]) for got, end in zip(chunks, ends, strict=True))
     assert worst < BF16_RTOL, worst

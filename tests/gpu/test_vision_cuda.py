@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.gpu.bf16_tolerance import BF16_RTOL
-from tests.gpu.bf16_tolerance import max_relative_error as _rel
+from tests.metrics import rel_max
 from titan_moe.model.args import VISION_FLAVORS, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.model.vision import VisionTower
@@ -52,8 +52,8 @@ def test_proxy_tower_bf16_compiled_matches_eager():
     tower.zero_grad(set_to_none=True)
     out = torch.compile(tower, fullgraph=True)(patches, pos, image)
     (out.float() * direction).mean().backward()
-    assert _rel(out, eager) < BF16_RTOL
-    assert _rel(tower.patch_embed.weight.grad, grad) < BF16_RTOL
+    assert rel_max(out, eager) < BF16_RTOL
+    assert rel_max(tower.patch_embed.weight.grad, grad) < BF16_RTOL
 
 
 def test_multimodal_debug_model_trains_the_tower_on_cuda():

@@ -4,6 +4,7 @@ Compiled vs eager lives in tests/parity/."""
 
 import torch
 
+from tests.metrics import rel_max
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 
@@ -23,10 +24,6 @@ def _debug_model(dtype=torch.float32, **overrides) -> TitanMoE:
     return model
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().abs().max() / b.detach().abs().max().clamp_min(1e-30))
-
-
 def test_packed_documents_do_not_see_each_other():
     model = _debug_model(torch.float64).eval()
     torch.manual_seed(1)
@@ -36,8 +33,8 @@ def test_packed_documents_do_not_see_each_other():
     packed = model(tokens, doc_ids)
     alone = model(tokens[:, t1:])
     first = model(tokens[:, :t1])
-    assert _rel(packed[:, t1:], alone) < 1e-10
-    assert _rel(packed[:, :t1], first) < 1e-10
+    assert rel_max(packed[:, t1:], alone) < 1e-10
+    assert rel_max(packed[:, :t1], first) < 1e-10
 
 
 def test_every_routed_expert_is_initialised():

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.metrics import rel_rms
 from titan_moe.model import norm as norm_module
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import DecoderLayer
@@ -70,10 +71,6 @@ def run(norm: RMSNorm, x: torch.Tensor, dy: torch.Tensor, compiled: bool):
         y = fn(x)
     dx, dw = torch.autograd.grad(y, (x, norm.weight), dy)
     return y, dx, dw, saved, x
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from tests.metrics import rel_rms
 from tests.ops.interpreter import guarded
 from titan_moe.ops import attn_res as attn_res_ops
 from titan_moe.ops.attn_res import attn_res_mix, attn_res_mix_naive, attn_res_mix_triton
@@ -41,11 +42,6 @@ CASES = {
     "n4-bf16-rows21-d48-bf16-out": ((21,), 48, [BF16] * 4, False, BF16),
     "n2-fp16-rows6-d33-fp16-out": ((6,), 33, [F16, F16], False, F16),
 }
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 def make_inputs(lead, dim, dtypes, noncontiguous, seed=0):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tests.metrics import rel_rms
 from tests.ops.interpreter import guarded
 from titan_moe.ops.kda.chunk_common import round_to_bf16
 
@@ -104,10 +105,6 @@ def documents(kind, batch, seq_len):
 
         return {"cu_seqlens": cu}, doc_index_from_cu_seqlens(cu, seq_len)[None]
     return {}, None
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
 def run_case(batch, seq_len, heads, d_k, d_v, gate, doc_kind, with_states,

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import titan_moe.ops.moe_dispatch as dispatch_module
+from tests.metrics import rel_rms
 from tests.ops.interpreter import guarded
 from titan_moe.ops.moe_dispatch import (
     dispatch_layout,
@@ -77,11 +78,6 @@ def make_inputs(n_tokens, top_k, n_experts, align, width, dtype, seed=0):
     du = torch.randn(n_tokens, width, generator=gen)
     dgrouped = torch.randn(n_rows, width, generator=gen).to(dtype)
     return z, expert_out, weights, dest, src, du, dgrouped
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm())
 
 
 def compare_with_reference(dispatch, combine, tensors) -> dict:

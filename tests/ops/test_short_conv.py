@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import titan_moe.ops.short_conv as short_conv_module
+from tests.metrics import rel_rms
 from tests.ops.interpreter import guarded
 from titan_moe.ops.short_conv import NORM_EPS, short_conv, short_conv_naive
 
@@ -64,11 +65,6 @@ def make_inputs(batch, seq_len, heads, head_size, taps, with_docs, dtype, extra=
     weight = torch.rand(channels, taps, generator=gen) * 2 - 1
     dy = torch.randn(batch, seq_len, channels, generator=gen).to(dtype)
     return x, weight, dy, documents(batch, seq_len) if with_docs else None
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
 def run_case(batch, seq_len, heads, head_size, taps, with_docs, norm, dtype, extra) -> dict:

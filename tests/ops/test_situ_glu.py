@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from tests.metrics import rel_rms
 from tests.ops.interpreter import guarded
 from titan_moe.ops.situ_glu import situ_glu_naive, situ_glu_packed_naive
 
@@ -32,11 +33,6 @@ CASES = {
     "bf16-64x96": ((64, 96), torch.bfloat16, 3.0),
     "bf16-saturating-5000": ((5000,), torch.bfloat16, 40.0),
 }
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return ((got - want).norm() / want.norm()).item()
 
 
 PATHS = ("op", "direct")

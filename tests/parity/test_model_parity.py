@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compile_passes.registry import PASS_NAMES, inductor_options, matched_counts
+from tests.metrics import rel_max
 from tests.scalar_cpp import scalar_cpp
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.model.model import TitanMoE
@@ -139,10 +140,6 @@ def runs() -> dict:
             "recompiles": dict(torch._dynamo.utils.counters["stats"])}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def test_every_pass_fired_and_one_graph_served_all_steps(runs):
     assert all(runs["fired"][name] > 0 for name in PASS_NAMES), runs["fired"]
     # fullgraph: one frame compiled, reused by the 19 later steps.
@@ -150,14 +147,14 @@ def test_every_pass_fired_and_one_graph_served_all_steps(runs):
 
 
 def test_whole_model_forward_matches_eager(runs):
-    assert _rel(runs["compiled"].logits, runs["eager"].logits) < FORWARD_RTOL
+    assert rel_max(runs["compiled"].logits, runs["eager"].logits) < FORWARD_RTOL
 
 
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_block_forward_matches_eager(runs, block):
     eager, compiled = runs["eager"].block_outputs[block], runs["compiled"].block_outputs[block]
     assert compiled.shape == eager.shape
-    assert _rel(compiled, eager) < FORWARD_RTOL
+    assert rel_max(compiled, eager) < FORWARD_RTOL
 
 
 @pytest.mark.parametrize("block", list(BLOCKS))
@@ -169,13 +166,13 @@ def test_block_backward_matches_eager(runs, block):
     assert set(runs["compiled"].grads) == set(eager)
     for name in names:
         if eager[name].abs().max() > 0:
-            assert _rel(runs["compiled"].grads[name], eager[name]) < GRAD_RTOL, name
+            assert rel_max(runs["compiled"].grads[name], eager[name]) < GRAD_RTOL, name
 
 
 def test_whole_model_backward_matches_eager(runs):
     eager, compiled = runs["eager"].grads, runs["compiled"].grads
     for name in ("tok_embeddings.weight", "output.weight", "norm.weight"):
-        assert _rel(compiled[name], eager[name]) < GRAD_RTOL, name
+        assert rel_max(compiled[name], eager[name]) < GRAD_RTOL, name
 
 
 def test_twenty_training_steps_compiled_match_eager(runs):
