@@ -315,6 +315,29 @@ def test_reference_weight_gradient_matches_formula():
     assert math.isclose(weights.sum(-1).mean().item(), 0.7, rel_tol=1e-14)
 
 
+def test_weights_grad_kernel_divides_with_ieee_rounding_on_cuda():
+    """Compiled for sm_90 on the CPU host (Triton's own LLVM and ptxas, no GPU): the gradient
+    kernel's PTX divides with div.rn.f32 only. Triton's fp32 `/` is div.full.f32 (up to 2 ulp),
+    whose noise where the exact gradient is 0 (a row-constant weight gradient) the interpreter,
+    dividing with NumPy, cannot show; tests/gpu/test_router_cuda.py checks those zeros on CUDA."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from titan_moe.ops.router.route_weights_grad_triton import route_weights_grad_kernel
+
+    signature = {"ids_ptr": "*i64", "logit_ptr": "*fp32", "g_ptr": "*fp32", "out_ptr": "*fp32",
+                 "T": "i32", "route_scale": "fp32"}
+    constants = {"E": 64, "K": 8, "BLOCK_K": 8, "BLOCK_T": 16, "BLOCK_E": 64, "LIBDEVICE": True}
+    source = ASTSource(fn=route_weights_grad_kernel,
+                       signature=signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    # σ's 1 / (1 + e), Σ g s / S and (g - Σ g s / S) / S
+    assert ptx.count("div.rn.f32") == 3 and "div.full.f32" not in ptx, ptx.count("div.full.f32")
+
+
 @pytest.mark.parametrize(
     ("shape", "bias_shape", "k", "valid_shape", "field"),
     [((4, 6, 1), (6,), 2, None, "logits"), ((4, 6), (5,), 2, None, "bias"),
