@@ -52,7 +52,9 @@ from titan_moe.cli_args import non_negative, positive
 from titan_moe.model.args import ConfigError, TitanMoEArgs, get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.parallel.parallelize import apply_compile
-from titan_moe.plan.memory import GIB, PlanConfig, bench_estimate, layer_activation_bytes
+from titan_moe.plan.config import PlanConfig
+from titan_moe.plan.memory import GIB, bench_estimate
+from titan_moe.plan.saved import layer_activation_bytes
 from titan_moe.train.chunked_loss import CHUNK, ChunkedCrossEntropy, hidden_from_head
 
 LENGTHS = "8192,65536,262144,1048576"

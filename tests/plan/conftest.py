@@ -2,7 +2,7 @@
 
 import pytest
 
-from titan_moe.plan.memory import load_plan_config
+from titan_moe.plan.config import load_plan_config
 
 TINY_TOML = """
 [model]

@@ -21,20 +21,21 @@ from titan_moe.model.args import ConfigError
 from titan_moe.model.model import DecoderLayer, TitanMoE
 from titan_moe.parallel.pipeline import boundary_tensors
 from titan_moe.plan.cli import main
+from titan_moe.plan.config import load_plan_config
+from titan_moe.plan.layouts import fewest_gpus, layouts
 from titan_moe.plan.memory import (
     DOC_ID_BYTES,
-    _bf16_with_fp32_islands,
     activation_bytes,
     estimate,
-    fewest_gpus,
-    ffn_chunk_bytes,
     largest_recompute,
+    parameter_counts,
+)
+from titan_moe.plan.saved import (
+    _bf16_with_fp32_islands,
+    ffn_chunk_bytes,
     layer_activation_bytes,
-    layouts,
-    load_plan_config,
     mixer_segment_bytes,
     mla_segment_bytes,
-    parameter_counts,
     saved_bytes,
 )
 

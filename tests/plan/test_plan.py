@@ -7,23 +7,20 @@ import torch
 import torch.nn as nn
 
 from titan_moe.model.model import TitanMoE
-from titan_moe.plan import memory
+from titan_moe.plan import saved
 from titan_moe.plan.cli import main
+from titan_moe.plan.layouts import ep_degrees, fewest_gpus
 from titan_moe.plan.memory import (
     GB,
     HEADROOM,
     Activations,
     ParamCounts,
     activation_bytes,
-    ep_degrees,
     estimate,
-    fewest_gpus,
-    head_activation_bytes,
-    layer_activation_bytes,
     parameter_counts,
-    saved_bytes,
 )
 from titan_moe.plan.op_workspace import attn_res_backward_workspace, kda_backward_workspace
+from titan_moe.plan.saved import head_activation_bytes, layer_activation_bytes, saved_bytes
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_excluded():
@@ -101,7 +98,7 @@ def test_a_kda_layer_saves_what_its_op_keeps_for_the_backward(tiny, monkeypatch)
     args, b, t = tiny.args, tiny.local_batch, tiny.seq_len
     assert args.head_dim == 32 and t % 64 == 0
     with_kept = layer_activation_bytes(args, 0, b, t).total
-    monkeypatch.setattr(memory, "kda_kept_buffers", lambda *args, **kwargs: ())
+    monkeypatch.setattr(saved, "kda_kept_buffers", lambda *args, **kwargs: ())
     assert with_kept - layer_activation_bytes(args, 0, b, t).total == 1120 * b * t * args.n_heads
 
 

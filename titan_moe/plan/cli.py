@@ -1,6 +1,8 @@
 """`python -m titan_moe.plan`: the memory plan of a TOML's model on FSDP2 × EP layouts
-(`memory.py`), with pipeline parallelism (`pipeline.py`) for the degrees `--pp` names.
+(`layouts.py`, `memory.py`), with pipeline parallelism (`pipeline.py`) for the degrees `--pp`
+names.
 
+    python -m titan_moe.plan --config configs/stages/1m.toml
     python -m titan_moe.plan --config configs/full.toml --gpus 1024 --gpu-mem 141
     python -m titan_moe.plan --config configs/full.toml --pp 1 2 4 8 16       (fewest H200s each)
     python -m titan_moe.plan --config configs/proxy.toml --validate      (one CUDA GPU)
@@ -14,8 +16,11 @@ from pathlib import Path
 
 from titan_moe.cli_args import positive, positive_float
 from titan_moe.model.args import ConfigError
-from titan_moe.plan.memory import GB, PlanConfig, load_plan_config, print_plan, validate
+from titan_moe.plan.config import PlanConfig, load_plan_config
+from titan_moe.plan.layouts import print_plan
+from titan_moe.plan.memory import GB
 from titan_moe.plan.pipeline import SCHEDULES, fewest_gpus_with_pp, step_microbatches
+from titan_moe.plan.validate import validate
 
 
 def print_pipeline_plans(cfg: PlanConfig, gpu_mem_gb: float, degrees: list[int],

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 from titan_moe.model.args import TitanMoEArgs
 from titan_moe.parallel.pipeline import balanced_stages, boundary_tensors
+from titan_moe.plan.config import PlanConfig
+from titan_moe.plan.layouts import ep_degrees
 from titan_moe.plan.memory import (
     ACT_BYTES,
     Activations,
     Estimate,
     ParamCounts,
-    PlanConfig,
     activation_bytes,
-    ep_degrees,
     estimate,
     parameter_counts,
 )
