@@ -56,7 +56,7 @@ from titan_moe.parallel.pipeline_schedule import (
     single_stage_schedule,
     stages_per_rank,
 )
-from titan_moe.train.config_audit import check_config_modules, check_titan_moe_reads, lookup
+from titan_moe.train.config_audit import check_titan_moe_reads
 from titan_moe.train.platform import resolve_device_type
 
 MODEL_NAME = "titan_moe"
@@ -517,7 +517,7 @@ def parse_job_config(argv: Sequence[str]) -> Any:
     """Validate and parse `--job.config_file F --section.key value ...` into a JobConfig."""
     argv = list(argv)
     toml_values, source = _load_toml(argv)
-    custom_import = lookup(argv, toml_values, "experimental", "custom_import", "")
+    custom_import = _lookup(argv, toml_values, "experimental", "custom_import", "")
     if custom_import:
         try:
             importlib.import_module(custom_import)
@@ -525,9 +525,9 @@ def parse_job_config(argv: Sequence[str]) -> Any:
             raise ConfigError(
                 f"experimental.custom_import: cannot import {custom_import!r}: {e}"
             ) from None
-    model_name = lookup(argv, toml_values, "model", "name", MODEL_NAME)
+    model_name = _lookup(argv, toml_values, "model", "name", MODEL_NAME)
     if model_name == MODEL_NAME:
-        check_config_modules(argv, toml_values)
+        _check_config_modules(argv, toml_values)
     config_cls = job_config_class(model_args_class(model_name))
     _check_toml(config_cls, toml_values, source)
     _check_cli(config_cls, argv)
@@ -562,6 +562,28 @@ def _load_toml(argv: list[str]) -> tuple[dict[str, Any], str]:
             return tomllib.load(f), path
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _lookup(argv: list[str], toml_values: dict[str, Any], section: str, key: str, default: str):
+    """A string option as tyro will see it (CLI over TOML), read before the schema is known."""
+    table = toml_values.get(section)
+    value = table.get(key, default) if isinstance(table, dict) else default
+    names = {f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}"}
+    for i, arg in enumerate(argv):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else value)
+    return value
+
+
+def _check_config_modules(argv: list[str], toml_values: dict[str, Any]) -> None:
+    """Read before ConfigManager, which would import the module and merge its JobConfig."""
+    for section, key in (("job", "custom_config_module"), ("experimental", "custom_args_module")):
+        module = _lookup(argv, toml_values, section, key, "")
+        if module:
+            raise ConfigError(
+                f"{section}.{key} = {module!r} is not supported by titan_moe: its JobConfig is "
+                "titan_moe/train/config.py's (add sections there); allowed: ''")
 
 
 def _allowed(cls: type) -> str:

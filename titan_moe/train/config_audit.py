@@ -2,9 +2,8 @@
 
 torchtitan's Trainer hands these to code titan_moe replaces (parallelize, FSDP, MoE, the
 checkpointer's HF adapter), so set they would be ignored or fail after torchrun starts; here each
-is one ConfigError before it starts. config.py calls `check_config_modules` before it builds the
-schema and `check_titan_moe_reads` on a parsed titan_moe JobConfig, and reads its own early
-options with `lookup`, which lives here so that imports run one way (config.py imports this).
+is one ConfigError before it starts. config.py calls `check_titan_moe_reads` on a parsed
+titan_moe JobConfig.
 """
 
 import dataclasses
@@ -19,26 +18,8 @@ from titan_moe.model.args import ConfigError
 _TITAN_MOE_FLOAT8 = "titan_moe's quantized training is [float8] (enable, moe)"
 
 
-def check_config_modules(argv: list[str], toml_values: dict[str, Any]) -> None:
-    """Read before ConfigManager, which would import the module and merge its JobConfig."""
-    for section, key in (("job", "custom_config_module"), ("experimental", "custom_args_module")):
-        module = lookup(argv, toml_values, section, key, "")
-        if module:
-            raise ConfigError(
-                f"{section}.{key} = {module!r} is not supported by titan_moe: its JobConfig is "
-                "titan_moe/train/config.py's (add sections there); allowed: ''")
 
 
-def lookup(argv: list[str], toml_values: dict[str, Any], section: str, key: str, default: str):
-    """A string option as tyro will see it (CLI over TOML), read before the schema is known."""
-    table = toml_values.get(section)
-    value = table.get(key, default) if isinstance(table, dict) else default
-    names = {f"--{section}.{key}", f"--{section}.{key.replace('_', '-')}"}
-    for i, arg in enumerate(argv):
-        name, eq, inline = arg.partition("=")
-        if name in names:
-            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else value)
-    return value
 
 
 def _check_tensor_parallel(job_config: Any) -> None:
