@@ -48,8 +48,9 @@ def route_weights_grad_kernel(ids_ptr, logit_ptr, g_ptr, out_ptr, T, route_scale
     total = tl.sum(s, axis=1)
     g_dot_s = tl.sum(g * s, axis=1)
     # IEEE divisions (Triton's `/` on fp32 is div.full.f32 on CUDA, up to 2 ulp): with them
-    # g - Σ g s / S is exactly 0 where g is constant over a row, as in torch's autograd and under
-    # the interpreter, instead of an ulp of noise that Adam's ε-sized denominators amplify
+    # g - Σ g s / S is exactly 0 where g is a power of two constant over a row, as in the PyTorch
+    # closed form this kernel replaced and under the interpreter, instead of an ulp of noise
+    # that Adam's ε-sized denominators amplify
     mean_g = tl.math.div_rn(g_dot_s, total)
     grad = route_scale * tl.math.div_rn(g - mean_g[:, None], total[:, None]) * s * (1.0 - s)
     ids = tl.load(ids_ptr + pair, mask=routed, other=-1)
