@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from tests.gpu.bf16_tolerance import BF16_RTOL
-from tests.gpu.test_kda_triton_cuda import G_MIN, GRAD_RMS, make_case, needs_fla, rel_rms
+from tests.gpu.test_kda_triton_cuda import G_MIN, GRAD_RMS, make_case, needs_fla
+from tests.metrics import rel_rms
 from titan_moe.model.args import get_flavor
 from titan_moe.model.model import TitanMoE
 from titan_moe.ops.kda import chunk_kda_fla

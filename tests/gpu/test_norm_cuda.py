@@ -6,7 +6,8 @@ lets a long-context layer's backward drop the AttnRes sites' outputs)."""
 import pytest
 import torch
 
-from tests.model.test_norm import BF16_BOUND, inputs, reference, rel_rms, run, saving_norm
+from tests.metrics import rel_rms
+from tests.model.test_norm import BF16_BOUND, inputs, reference, run, saving_norm
 
 pytestmark = [
     pytest.mark.gpu,
