@@ -19,6 +19,8 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
+from tests.kernel_launches import HOPPER, record_launches
+
 # Inductor's analysis as torch 2.13 names it (CI's torch); torch 2.11 (the GPU machine) has no
 # such function, and there this CPU test has nothing to check.
 identify_accessed_tensors = pytest.importorskip(
@@ -32,7 +34,7 @@ class _Hopper:
     """The one driver method making TTIR needs: the target to lower for."""
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+        return HOPPER
 
 
 @pytest.fixture(autouse=True)
@@ -46,25 +48,9 @@ def hopper_target():
 
 def written(module_name: str, call: Callable) -> dict[str, set[str]]:
     """kernel name -> the argument names Inductor finds written, for each launch `call` makes."""
-    module = importlib.import_module(module_name)
-    launches = []
-
-    def record(kernel):
-        def launch(*args, **kwargs):
-            # The leading arguments come positionally, the rest (constexprs) by name.
-            bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-            launches.append((kernel, {k: v for k, v in bound.items() if k in kernel.arg_names}))
-
-        return type("Grid", (), {"__getitem__": lambda self, grid: launch})()
-
-    real = module.wrap_triton
-    module.wrap_triton = record
-    try:
-        call(module)
-    finally:
-        module.wrap_triton = real
     found = {}
-    for kernel, kwargs in launches:
+    for kernel, arguments in record_launches(module_name, call):
+        kwargs = {k: v for k, v in arguments.items() if k in kernel.arg_names}
         accesses = identify_accessed_tensors(kernel, kwargs, {})
         writes = {dep.name for dep in accesses.read_writes.writes}
         # Compiled, each written argument is cloned and written back on its own: one tensor

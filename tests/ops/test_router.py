@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kernel_launches import hopper_ptx, record_launches
 from tests.ops.interpreter import guarded
 from titan_moe.ops.router import qb_route, qb_route_naive
 from titan_moe.ops.router.histogram import qb_range
@@ -315,27 +316,33 @@ def test_reference_weight_gradient_matches_formula():
     assert math.isclose(weights.sum(-1).mean().item(), 0.7, rel_tol=1e-14)
 
 
-def test_weights_grad_kernel_divides_with_ieee_rounding_on_cuda():
-    """Compiled for sm_90 on the CPU host (Triton's own LLVM and ptxas, no GPU): the gradient
-    kernel's PTX divides with div.rn.f32 only. Triton's fp32 `/` is div.full.f32 (up to 2 ulp),
-    whose noise where the exact gradient is 0 (a row-constant weight gradient) the interpreter,
-    dividing with NumPy, cannot show; tests/gpu/test_router_cuda.py checks those zeros on CUDA."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+ROUTER_LAUNCHES = {
+    "route-E16-k2": ("qb_route_triton", lambda m: m.qb_route_triton(
+        torch.randn(64, 16), torch.zeros(16), None, 2, 1.0, 32, True)),
+    "route-E896-k16-lane-top4": ("qb_route_triton", lambda m: m.qb_route_triton(
+        torch.randn(64, 896), torch.zeros(896), torch.ones(64, dtype=torch.bool), 16, 2.5, 1000,
+        True)),
+    "weights-grad-E64-k8": ("route_weights_grad_triton", lambda m: m._route_weights_grad(
+        torch.arange(16).view(2, 8), torch.randn(2, 8), torch.randn(2, 8), 2.5, 64)),
+}
 
-    from titan_moe.ops.router.route_weights_grad_triton import route_weights_grad_kernel
 
-    signature = {"ids_ptr": "*i64", "logit_ptr": "*fp32", "g_ptr": "*fp32", "out_ptr": "*fp32",
-                 "T": "i32", "route_scale": "fp32"}
-    constants = {"E": 64, "K": 8, "BLOCK_K": 8, "BLOCK_T": 16, "BLOCK_E": 64, "LIBDEVICE": True}
-    source = ASTSource(fn=route_weights_grad_kernel,
-                       signature=signature | dict.fromkeys(constants, "constexpr"),
-                       constexprs=constants)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4}).asm["ptx"]
-    # σ's 1 / (1 + e), Σ g s / S and (g - Σ g s / S) / S
-    assert ptx.count("div.rn.f32") == 3 and "div.full.f32" not in ptx, ptx.count("div.full.f32")
+@pytest.mark.parametrize("case", ROUTER_LAUNCHES)
+def test_router_kernels_divide_with_ieee_rounding_on_cuda(case):
+    """Each launch compiled for sm_90 on the CPU host divides with div.rn.f32 only. Triton's
+    fp32 `/` is div.full.f32 (up to 2 ulp): it would break the weights' bit-equality with the
+    reference, and leave noise where the exact gradient is 0 (a row-constant weight gradient;
+    tests/gpu/test_router_cuda.py checks those zeros on CUDA), which the interpreter, dividing
+    with NumPy, cannot show. The weight-gradient kernel had two such divisions before d6e9954."""
+    module, call = ROUTER_LAUNCHES[case]
+    launches = record_launches(f"titan_moe.ops.router.{module}", call)
+    assert launches
+    for kernel, arguments in launches:
+        ptx = hopper_ptx(kernel, arguments)
+        counts = {op: ptx.count(op) for op in ("div.rn.f32", "div.full.f32", "div.approx.f32",
+                                               "rcp.approx")}
+        assert counts.pop("div.rn.f32") and not any(counts.values()), (kernel.fn.__name__,
+                                                                        counts)
 
 
 @pytest.mark.parametrize(
