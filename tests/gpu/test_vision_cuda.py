@@ -18,7 +18,6 @@ pytestmark = [
 ]
 
 
-
 def _slots(n_slots: int, images: list[int], grid: int = 32):
     """Patch slot inputs for images of the given patch counts (multiples of 4), then padding."""
     g = torch.Generator().manual_seed(0)

@@ -105,7 +105,6 @@ def run_launch_shapes() -> dict:
     return report
 
 
-
 def crowded_lane_logits(n_tokens: int, n_experts: int, k: int) -> torch.Tensor:
     """Rows whose k + 1 largest logits all lie in lane 0's columns (column // 4 % 32 == 0: the
     columns one lane loads in the kernel's row block) or, every other row, in the columns

@@ -64,8 +64,6 @@ MODEL_NAME = "titan_moe"
 CPU_PROCESSES_PER_CORE = 2
 
 
-
-
 @dataclass
 class Model(tt_config.Model):
     name: str = MODEL_NAME

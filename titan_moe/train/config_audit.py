@@ -18,10 +18,6 @@ from titan_moe.model.args import ConfigError
 _TITAN_MOE_FLOAT8 = "titan_moe's quantized training is [float8] (enable, moe)"
 
 
-
-
-
-
 def _check_tensor_parallel(job_config: Any) -> None:
     """parallelize.py refuses TP only after torchrun starts; async TP needs TP."""
     parallelism = job_config.parallelism
