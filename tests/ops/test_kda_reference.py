@@ -7,6 +7,7 @@ import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
+from tests.metrics import rel_max
 from tests.scalar_cpp import scalar_cpp
 from titan_moe.ops.kda import chunk_kda, chunk_kda_torch, kda_gate, naive_recurrent_kda
 
@@ -16,10 +17,6 @@ FP32_RTOL = 1e-4  # float32 chunked vs float64 recurrence
 COMPILE_RTOL = 1e-5  # compiled vs eager, float32
 G_MIN = -5.0
 HEADS, D_K, D_V = 2, 16, 8
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def make_inputs(batch, seq_len, gate="random", dtype=torch.float64, seed=0):
@@ -51,8 +48,8 @@ def test_chunked_matches_recurrence(gate, seq_len):
     h0 = random_state(2)
     o, s = chunk_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    assert rel_err(o, o_ref) <= EXACT_RTOL
-    assert rel_err(s, s_ref) <= EXACT_RTOL
+    assert rel_max(o, o_ref) <= EXACT_RTOL
+    assert rel_max(s, s_ref) <= EXACT_RTOL
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32])
@@ -60,8 +57,8 @@ def test_other_chunk_sizes_match_recurrence(chunk_size):
     q, k, v, g, beta = make_inputs(1, 50)
     o, s = chunk_kda_torch(q, k, v, g, beta, output_final_state=True, chunk_size=chunk_size)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
-    assert rel_err(o, o_ref) <= EXACT_RTOL
-    assert rel_err(s, s_ref) <= EXACT_RTOL
+    assert rel_max(o, o_ref) <= EXACT_RTOL
+    assert rel_max(s, s_ref) <= EXACT_RTOL
 
 
 CU_SEQLENS_CASES = {
@@ -83,8 +80,8 @@ def test_cu_seqlens_match_recurrence(case, with_initial_state):
     o, s = chunk_kda_torch(q, k, v, g, beta, **kwargs)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, **kwargs)
     assert s.shape == (len(offsets) - 1, HEADS, D_K, D_V)
-    assert rel_err(o, o_ref) <= EXACT_RTOL
-    assert rel_err(s, s_ref) <= EXACT_RTOL
+    assert rel_max(o, o_ref) <= EXACT_RTOL
+    assert rel_max(s, s_ref) <= EXACT_RTOL
 
 
 def test_doc_ids_match_recurrence_per_row():
@@ -108,8 +105,8 @@ def test_doc_ids_match_recurrence_per_row():
             output_final_state=True,
             cu_seqlens=offsets,
         )
-        assert rel_err(o[b : b + 1], o_ref) <= EXACT_RTOL
-        assert rel_err(s[b], s_ref[-1]) <= EXACT_RTOL
+        assert rel_max(o[b : b + 1], o_ref) <= EXACT_RTOL
+        assert rel_max(s[b], s_ref[-1]) <= EXACT_RTOL
 
 
 def _grads(fn, inputs, offsets, o_weight, s_weight):
@@ -136,7 +133,7 @@ def test_gradients_match_recurrence(cu_seqlens):
     expected = _grads(naive_recurrent_kda, inputs, offsets, *weights)
     names = ["q", "k", "v", "g", "beta", "initial_state"]
     for name, a, b in zip(names, got, expected, strict=True):
-        assert rel_err(a, b) <= GRAD_RTOL, name
+        assert rel_max(a, b) <= GRAD_RTOL, name
 
 
 def test_subtile_reference_keeps_float32_finite():
@@ -151,8 +148,8 @@ def test_subtile_reference_keeps_float32_finite():
     o, s = chunk_kda_torch(*(x.float() for x in (q, k, v, g, beta)), output_final_state=True)
     assert o.dtype == torch.float32 and s.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    assert rel_err(o.double(), o_ref) <= FP32_RTOL
-    assert rel_err(s.double(), s_ref) <= FP32_RTOL
+    assert rel_max(o.double(), o_ref) <= FP32_RTOL
+    assert rel_max(s.double(), s_ref) <= FP32_RTOL
 
 
 def test_compiled_matches_eager():
@@ -163,15 +160,15 @@ def test_compiled_matches_eager():
     compiled = torch.compile(chunk_kda_torch, fullgraph=True, dynamic=False)
     with scalar_cpp():  # tracing and lowering are what is tested
         o_c, s_c = compiled(q, k, v, g, beta, **kwargs)
-    assert rel_err(o_c, o) <= COMPILE_RTOL
-    assert rel_err(s_c, s) <= COMPILE_RTOL
+    assert rel_max(o_c, o) <= COMPILE_RTOL
+    assert rel_max(s_c, s) <= COMPILE_RTOL
 
 
 def test_public_chunk_kda_matches_recurrence():
     q, k, v, g, beta = make_inputs(2, 40)
     o, _ = chunk_kda(q, k, v, g, beta, scale=0.3)
     o_ref, _ = naive_recurrent_kda(q, k, v, g, beta, scale=0.3)
-    assert rel_err(o, o_ref) <= EXACT_RTOL
+    assert rel_max(o, o_ref) <= EXACT_RTOL
 
 
 def test_kda_gate_matches_scalar_formula():
