@@ -31,7 +31,6 @@ from titan_moe.train.step_guard import FiniteStepGuard, NonFiniteError, check_fi
 
 REPO = Path(__file__).resolve().parents[2]
 IMPLEMENTATIONS = ["fused", "for-loop"]
-SLOT_WEIGHTS = torch.tensor([1.0, -3.0])  # the toy loss's weight of each routed slot
 
 
 class RoutedLinear(nn.Module):
@@ -41,12 +40,15 @@ class RoutedLinear(nn.Module):
         self.router = Router(dim=8, n_experts=4, top_k=2)
         self.router.init_weights(0.5)
         self.proj = nn.Linear(8, 1)
+        # A buffer, so that .to(device) moves it: a copy from the host inside forward would
+        # synchronise the sync-free CUDA step.
+        self.register_buffer("slot_weights", torch.tensor([1.0, -3.0]), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Slots weighted unequally: Σ weights alone is the route scale in every row, whose
         # gradient w.r.t. the router's logits is exactly 0, and the router would not train.
         _, weights = self.router(x)
-        return (weights * SLOT_WEIGHTS.to(weights.device)).sum() + self.proj(x).sum()
+        return (weights * self.slot_weights).sum() + self.proj(x).sum()
 
 
 def _guarded(monkeypatch, max_consecutive: int = 3, implementation: str = "for-loop",
