@@ -19,7 +19,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
-from tests.kernel_launches import HOPPER, record_launches
+from bench.triton_static import recorded_launches
 
 # Inductor's analysis as torch 2.13 names it (CI's torch); torch 2.11 (the GPU machine) has no
 # such function, and there this CPU test has nothing to check.
@@ -34,7 +34,7 @@ class _Hopper:
     """The one driver method making TTIR needs: the target to lower for."""
 
     def get_current_target(self) -> GPUTarget:
-        return HOPPER
+        return GPUTarget("cuda", 90, 32)
 
 
 @pytest.fixture(autouse=True)
@@ -48,9 +48,12 @@ def hopper_target():
 
 def written(module_name: str, call: Callable) -> dict[str, set[str]]:
     """kernel name -> the argument names Inductor finds written, for each launch `call` makes."""
+    module = importlib.import_module(module_name)
     found = {}
-    for kernel, arguments in record_launches(module_name, call):
-        kwargs = {k: v for k, v in arguments.items() if k in kernel.arg_names}
+    for kernel, _, args, options in recorded_launches(module, lambda: call(module)):
+        # The leading arguments come positionally, the rest (constexprs, options) by name.
+        bound = dict(zip(kernel.arg_names, args, strict=False)) | options
+        kwargs = {k: v for k, v in bound.items() if k in kernel.arg_names}
         accesses = identify_accessed_tensors(kernel, kwargs, {})
         writes = {dep.name for dep in accesses.read_writes.writes}
         # Compiled, each written argument is cloned and written back on its own: one tensor

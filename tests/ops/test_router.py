@@ -9,14 +9,17 @@ from repeating values within a row and in the bias. The gradient w.r.t. the logi
 both, summed in different orders) is compared as relative RMS error, bound FP32_GRAD_RTOL.
 """
 
+import importlib
 import json
 import math
 
 import numpy as np
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
 
-from tests.kernel_launches import hopper_ptx, record_launches
+from bench.triton_static import recorded_launches, source
 from tests.ops.interpreter import guarded
 from titan_moe.ops.router import qb_route, qb_route_naive
 from titan_moe.ops.router.histogram import qb_range
@@ -333,11 +336,14 @@ def test_router_kernels_divide_with_ieee_rounding_on_cuda(case):
     reference, and leave noise where the exact gradient is 0 (a row-constant weight gradient;
     tests/gpu/test_router_cuda.py checks those zeros on CUDA), which the interpreter, dividing
     with NumPy, cannot show. The weight-gradient kernel had two such divisions before d6e9954."""
-    module, call = ROUTER_LAUNCHES[case]
-    launches = record_launches(f"titan_moe.ops.router.{module}", call)
+    name, call = ROUTER_LAUNCHES[case]
+    module = importlib.import_module(f"titan_moe.ops.router.{name}")
+    launches = recorded_launches(module, lambda: call(module))
     assert launches
-    for kernel, arguments in launches:
-        ptx = hopper_ptx(kernel, arguments)
+    for kernel, _, args, kwargs in launches:
+        # Recorded on CPU tensors; compile what CUDA runs (libdevice's expf, as torch.sigmoid).
+        src, options = source(kernel, args, {**kwargs, "LIBDEVICE": True})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
         counts = {op: ptx.count(op) for op in ("div.rn.f32", "div.full.f32", "div.approx.f32",
                                                "rcp.approx")}
         assert counts.pop("div.rn.f32") and not any(counts.values()), (kernel.fn.__name__,
